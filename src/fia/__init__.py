@@ -1,0 +1,17 @@
+"""FIA — the Ascend fused inference attention operators on any PyTorch device, CPU first.
+
+`import fia as torch_npu` runs torch_npu attention code unchanged.
+"""
+from .api import npu_fused_infer_attention_score, npu_incre_flash_attention, npu_prompt_flash_attention
+from .config import (get_backend, get_validation_mode, set_backend, set_validation_mode, use_backend,
+                     validation_mode)
+from .errors import FiaError, FiaInputError, FiaRuntimeError, FiaUnsupportedError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "npu_fused_infer_attention_score", "npu_incre_flash_attention", "npu_prompt_flash_attention",
+    "FiaError", "FiaInputError", "FiaUnsupportedError", "FiaRuntimeError",
+    "get_validation_mode", "set_validation_mode", "validation_mode",
+    "get_backend", "set_backend", "use_backend",
+]
