@@ -1,0 +1,32 @@
+"""Backend protocol: capabilities as data + not_supported_reasons() + run()."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+
+from ..spec.problem import AttentionProblem
+
+
+@dataclass
+class BackendResult:
+    """Canonical results: out [B, N, Q_S, Dv] (packed [N, T, Dv]) in the compute dtype or the output dtype;
+    lse [B, N, Q_S] (packed [N, T]) float32 or float64, or None when not requested."""
+    out: torch.Tensor
+    lse: Optional[torch.Tensor]
+
+
+class Backend:
+    name: str = "?"
+    priority: int = 0                 # higher runs first
+    devices: tuple = ("cpu", "cuda")  # device types it runs on
+
+    def not_supported_reasons(self, p: AttentionProblem) -> List[str]:
+        reasons = []
+        if p.device.type not in self.devices:
+            reasons.append(f"device {p.device.type} not in {self.devices}")
+        return reasons
+
+    def run(self, p: AttentionProblem) -> BackendResult:  # pragma: no cover - interface
+        raise NotImplementedError

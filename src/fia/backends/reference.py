@@ -1,0 +1,107 @@
+"""The reference backend: the oracle for every other backend. Reads like SPEC 3-6.
+
+Plain, per batch, upcast to float32 (float64 for float64 input), masks materialized for one batch at
+a time: it never holds more than one batch's [N, S1, S2] scores.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from ..spec.problem import MASK_FILL, AttentionProblem, BatchGeometry
+from .base import Backend, BackendResult
+
+
+def band_outside(p: AttentionProblem, g: BatchGeometry, device) -> Optional[torch.Tensor]:
+    """[S1, S2] bool, True where the band geometry excludes key j from row i (window-local), or None."""
+    band = p.mask.band_for(g.s1, g.s2)
+    if band is None:
+        return None
+    pre, nxt = band
+    i = torch.arange(g.s1, device=device).unsqueeze(1)   # [S1, 1]
+    j = torch.arange(g.s2, device=device).unsqueeze(0)   # [1, S2]
+    return (j > i + nxt) | (j < i - pre)
+
+
+def user_masked(p: AttentionProblem, b: int, g: BatchGeometry) -> Optional[torch.Tensor]:
+    """[S1, S2] bool from the user mask in physical coordinates (row q_lo + i, column kv_lo + j), or None."""
+    um = p.mask.user_mask
+    if um is None:
+        return None
+    bm = b if um.shape[0] > 1 else 0
+    return um[bm, g.q_lo:g.q_hi, g.kv_lo:g.kv_lo + g.s2] != 0
+
+
+def pse_block(p: AttentionProblem, b: int, g: BatchGeometry, dtype) -> Optional[torch.Tensor]:
+    """[N, S1, S2] position bias, indexed exactly like the mask."""
+    if p.pse is None:
+        return None
+    bp = b if p.pse.shape[0] > 1 else 0
+    return p.pse[bp, :, g.q_lo:g.q_hi, g.kv_lo:g.kv_lo + g.s2].to(dtype)
+
+
+def batch_keys(p: AttentionProblem, b: int, g: BatchGeometry, dtype):
+    """The batch's effective keys/values: [KV_N, S2, D], [KV_N, S2, Dv] in the compute dtype."""
+    k, v = p.kv.rows(b, g, g.kv_lo, g.kv_hi)
+    return k.to(dtype), v.to(dtype)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bias: Optional[torch.Tensor],
+           masked: Optional[torch.Tensor]):
+    """One batch of SPEC 3. q [N, S1, D], k [KV_N, S2, D], v [KV_N, S2, Dv] -> out [N, S1, Dv], lse [N, S1]."""
+    n, s1, d = q.shape
+    kv_n, s2, dv = v.shape
+    g = n // kv_n
+    qg = q.reshape(kv_n, g * s1, d)                                   # [KV_N, G*S1, D]  (heads n = h*G + i)
+    s = torch.bmm(qg, k.transpose(1, 2)).reshape(n, s1, s2) * scale   # [N, S1, S2]
+    if bias is not None:
+        s = s + bias
+    if masked is not None:
+        s = s.masked_fill(masked, MASK_FILL)
+    m = s.amax(dim=-1, keepdim=True)                                  # [N, S1, 1]
+    e = torch.exp(s - m)
+    den = e.sum(dim=-1, keepdim=True)
+    pr = (e / den).reshape(kv_n, g * s1, s2)                          # [KV_N, G*S1, S2]
+    out = torch.bmm(pr, v).reshape(n, s1, dv)                         # [N, S1, Dv]
+    lse = (m + torch.log(den)).squeeze(-1)                            # [N, S1]
+    return out, lse
+
+
+class ReferenceBackend(Backend):
+    name = "reference"
+    priority = 0
+
+    def not_supported_reasons(self, p: AttentionProblem) -> List[str]:
+        return super().not_supported_reasons(p)
+
+    def run(self, p: AttentionProblem) -> BackendResult:
+        cd = p.compute_dtype
+        dev = p.device
+        out = torch.zeros(p.out_shape(), dtype=cd, device=dev)                  # rows never computed: 0
+        lse = torch.full(p.lse_shape(), float("inf"), dtype=cd, device=dev)     # ... and lse +inf (SPEC 6)
+        for b, g in enumerate(p.geometry):
+            if g.s1 == 0 or g.s2 == 0:
+                continue
+            q = p.query_rows(b, g.q_lo, g.q_hi).to(cd)          # [N, S1, D]
+            k, v = batch_keys(p, b, g, cd)                     # [KV_N, S2, D], [KV_N, S2, Dv]
+            band = band_outside(p, g, dev)                     # [S1, S2] or None
+            user = user_masked(p, b, g)                        # [S1, S2] or None
+            masked = band if user is None else (user if band is None else band | user)
+            o, l = attend(q, k, v, p.scale, pse_block(p, b, g, cd), masked)
+            dead = torch.zeros(g.s1, dtype=torch.bool, device=dev)
+            if band is not None:
+                dead |= band.all(dim=-1)       # the geometry leaves the row no key: 0 / +inf always
+            if p.row_invalid_fix and masked is not None:
+                dead |= masked.all(dim=-1)     # row-invalid correction (inner_precise bit 1)
+            if bool(dead.any()):
+                o[:, dead] = 0
+                l[:, dead] = float("inf")
+            if p.packed:
+                o0 = g.q_offset + g.q_lo
+                out[:, o0:o0 + g.s1] = o
+                lse[:, o0:o0 + g.s1] = l
+            else:
+                out[b, :, g.q_lo:g.q_hi] = o
+                lse[b, :, g.q_lo:g.q_hi] = l
+        return BackendResult(out, lse if p.want_lse else None)

@@ -1,0 +1,50 @@
+"""Backend priority list; select(problem) and explain(problem)."""
+from __future__ import annotations
+
+from typing import Dict, List
+
+from ..config import get_backend
+from ..errors import FiaUnsupportedError
+from ..spec.problem import AttentionProblem
+from .base import Backend
+from .reference import ReferenceBackend
+
+_BACKENDS: List[Backend] = [ReferenceBackend()]
+
+
+def register(backend: Backend) -> None:
+    _BACKENDS.append(backend)
+    _BACKENDS.sort(key=lambda b: -b.priority)
+
+
+def backends() -> List[Backend]:
+    return list(_BACKENDS)
+
+
+def by_name(name: str) -> Backend:
+    for b in _BACKENDS:
+        if b.name == name:
+            return b
+    raise FiaUnsupportedError(f"backend {name!r} does not exist; available: {[b.name for b in _BACKENDS]}")
+
+
+def explain(p: AttentionProblem) -> Dict[str, List[str]]:
+    """backend name -> reasons it cannot run p (empty list: it can)."""
+    return {b.name: b.not_supported_reasons(p) for b in _BACKENDS}
+
+
+def select(p: AttentionProblem) -> Backend:
+    forced = get_backend()
+    if forced is not None:
+        b = by_name(forced)
+        why = b.not_supported_reasons(p)
+        if why:
+            raise FiaUnsupportedError(f"backend {forced!r} (forced) cannot run this problem", {forced: why})
+        return b
+    report = {}
+    for b in _BACKENDS:
+        why = b.not_supported_reasons(p)
+        if not why:
+            return b
+        report[b.name] = why
+    raise FiaUnsupportedError("no FIA backend can run this problem", report)

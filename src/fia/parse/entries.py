@@ -1,0 +1,51 @@
+"""npu_incre_flash_attention / npu_prompt_flash_attention mapped onto the fused argument set."""
+from __future__ import annotations
+
+from .core import parse_fused
+
+_INT_MAX = 2147483647
+
+# every keyword of npu_fused_infer_attention_score with its default
+FUSED_DEFAULTS = dict(
+    pse_shift=None, atten_mask=None, actual_seq_lengths=None, actual_seq_lengths_kv=None, dequant_scale1=None,
+    quant_scale1=None, dequant_scale2=None, quant_scale2=None, quant_offset2=None, antiquant_scale=None,
+    antiquant_offset=None, key_antiquant_scale=None, key_antiquant_offset=None, value_antiquant_scale=None,
+    value_antiquant_offset=None, block_table=None, query_padding_size=None, kv_padding_size=None,
+    key_shared_prefix=None, value_shared_prefix=None, actual_shared_prefix_len=None, query_rope=None,
+    key_rope=None, key_rope_antiquant_scale=None, dequant_scale_query=None, num_heads=1, scale=1.0,
+    pre_tokens=_INT_MAX, next_tokens=_INT_MAX, input_layout="BSH", num_key_value_heads=0, sparse_mode=0,
+    inner_precise=0, block_size=0, antiquant_mode=0, key_antiquant_mode=0, value_antiquant_mode=0,
+    query_quant_mode=0, softmax_lse_flag=False)
+
+
+def parse_incre(a: dict):
+    """IncreFlashAttention: decode only; its actual_seq_lengths are the KV lengths; padding_mask ignored."""
+    f = dict(FUSED_DEFAULTS)
+    f.update(query=a["query"], key=a["key"], value=a["value"], pse_shift=a["pse_shift"], atten_mask=a["atten_mask"],
+             actual_seq_lengths_kv=a["actual_seq_lengths"], dequant_scale1=a["dequant_scale1"],
+             quant_scale1=a["quant_scale1"], dequant_scale2=a["dequant_scale2"], quant_scale2=a["quant_scale2"],
+             quant_offset2=a["quant_offset2"], antiquant_scale=a["antiquant_scale"],
+             antiquant_offset=a["antiquant_offset"], block_table=a["block_table"],
+             kv_padding_size=a["kv_padding_size"], num_heads=a["num_heads"], scale=a["scale_value"],
+             input_layout=a["input_layout"], num_key_value_heads=a["num_key_value_heads"],
+             block_size=a["block_size"], inner_precise=a["inner_precise"])
+    aliases = {"actual_seq_lengths_kv": "actual_seq_lengths", "scale": "scale_value"}
+    return parse_fused(f, "npu_incre_flash_attention", aliases, decode_only=True)
+
+
+def parse_prompt(a: dict):
+    """PromptFlashAttention: sparse_mode 10..14 = high precision with sparse_mode - 10; behaves as inner_precise 1."""
+    f = dict(FUSED_DEFAULTS)
+    mode = a["sparse_mode"]
+    inner = 1
+    if isinstance(mode, int) and not isinstance(mode, bool) and 10 <= mode <= 14:
+        mode, inner = mode - 10, 0
+    f.update(query=a["query"], key=a["key"], value=a["value"], pse_shift=a["pse_shift"], atten_mask=a["atten_mask"],
+             actual_seq_lengths=a["actual_seq_lengths"], actual_seq_lengths_kv=a["actual_seq_lengths_kv"],
+             dequant_scale1=a["deq_scale1"], quant_scale1=a["quant_scale1"], dequant_scale2=a["deq_scale2"],
+             quant_scale2=a["quant_scale2"], quant_offset2=a["quant_offset2"], num_heads=a["num_heads"],
+             scale=a["scale_value"], pre_tokens=a["pre_tokens"], next_tokens=a["next_tokens"],
+             input_layout=a["input_layout"], num_key_value_heads=a["num_key_value_heads"], sparse_mode=mode,
+             inner_precise=inner)
+    aliases = {"dequant_scale1": "deq_scale1", "dequant_scale2": "deq_scale2", "scale": "scale_value"}
+    return parse_fused(f, "npu_prompt_flash_attention", aliases)

@@ -1,0 +1,1 @@
+"""The normalized problem: frozen dataclasses, no Ascend argument names inside."""

@@ -1,0 +1,168 @@
+"""AttentionProblem: one normalized, immutable description of a call (SPEC 2-6).
+
+Parse builds it once; backends only read it. Coordinates:
+* physical: positions inside the tensors the user passed (row r of the query, key position p);
+* window-local: i = r - q_lo, j = column inside the batch's effective keys (prefix first, then the
+  batch's own valid keys). Band geometry (SPEC 5) is window-local; user masks and pse_shift are
+  indexed physically: row r, column P + p (prefix columns first).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Tuple, Union
+
+import torch
+
+from .layout import Layout
+
+MASK_FILL = -1e12          # SPEC 3: masked scores take a finite fill, so fully masked rows stay finite
+PRE_NEXT_CLAMP = 214748647  # SPEC 5: larger pre/next tokens are clamped to this
+
+
+@dataclass(frozen=True)
+class BatchGeometry:
+    """Per-batch extents. Physical windows: query rows [q_lo, q_hi), own keys [kv_lo, kv_hi)."""
+    q_rows: int       # physical query rows of this batch (Q_S, or its packed length)
+    q_lo: int
+    q_hi: int
+    kv_rows: int      # physical key positions of this batch's own keys
+    kv_lo: int
+    kv_hi: int
+    prefix: int = 0   # shared-prefix keys placed before this batch's own keys
+    q_offset: int = 0   # packed layouts: first row of this batch in T
+    kv_offset: int = 0  # packed layouts: first key of this batch in T_kv
+
+    @property
+    def s1(self) -> int:
+        """Valid query rows."""
+        return self.q_hi - self.q_lo
+
+    @property
+    def s2(self) -> int:
+        """Effective keys: prefix + own valid keys."""
+        return self.prefix + self.kv_hi - self.kv_lo
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """What is masked (SPEC 5), after the decode / ignore rules of parse.
+
+    kind: "none"  nothing but lengths;   "user" the user mask only (mode 1, decode, left padding);
+          "band"  band geometry (+ user mask if given): modes 0-with-mask, 2, 3, 4.
+    user_mask: [Bm, Qm, Km] (Bm in {1, B}), physical coordinates, nonzero = masked, or None.
+    """
+    kind: str = "none"
+    sparse_mode: int = 0
+    pre: int = PRE_NEXT_CLAMP
+    next: int = PRE_NEXT_CLAMP
+    user_mask: Optional[torch.Tensor] = None
+
+    def band_for(self, s1: int, s2: int) -> Optional[Tuple[int, int]]:
+        """Window-local (pre, next) of the band for a batch with S1 rows and S2 keys, or None.
+
+        Key j is outside the band of row i when j > i + next or j < i - pre.
+        """
+        if self.kind != "band":
+            return None
+        m = self.sparse_mode
+        if m == 0:
+            return self.pre, self.next
+        if m == 2:                      # left-up causal
+            return PRE_NEXT_CLAMP + s1, 0
+        if m == 3:                      # right-down causal
+            return PRE_NEXT_CLAMP + s1, s2 - s1
+        if m == 4:                      # band on the bottom-right diagonal
+            return self.pre - s2 + s1, self.next + s2 - s1
+        raise AssertionError(m)
+
+
+@dataclass(frozen=True)
+class DenseKV:
+    """key [B, KV_N, KV_S, D], value [B, KV_N, KV_S, Dv] (canonical views)."""
+    key: torch.Tensor
+    value: torch.Tensor
+    kind: str = field(default="dense", init=False)
+
+    def rows(self, b: int, g: BatchGeometry, lo: int, hi: int):
+        return self.key[b, :, lo:hi], self.value[b, :, lo:hi]
+
+
+@dataclass(frozen=True)
+class PackedKV:
+    """TND family: key [KV_N, T_kv, D], value [KV_N, T_kv, Dv]; batch b starts at its kv_offset."""
+    key: torch.Tensor
+    value: torch.Tensor
+    kind: str = field(default="packed", init=False)
+
+    def rows(self, b: int, g: BatchGeometry, lo: int, hi: int):
+        o = g.kv_offset
+        return self.key[:, o + lo:o + hi], self.value[:, o + lo:o + hi]
+
+
+@dataclass(frozen=True)
+class ListKV:
+    """Tensor-list KV: per batch key [KV_N, S_b, D], value [KV_N, S_b, Dv] (batch axis dropped)."""
+    keys: Tuple[torch.Tensor, ...]
+    values: Tuple[torch.Tensor, ...]
+    kind: str = field(default="list", init=False)
+
+    def rows(self, b: int, g: BatchGeometry, lo: int, hi: int):
+        return self.keys[b][:, lo:hi], self.values[b][:, lo:hi]
+
+
+KVStorage = Union[DenseKV, PackedKV, ListKV]
+
+
+@dataclass(frozen=True)
+class AttentionProblem:
+    api: str                    # entry point that built it (for messages)
+    layout: Layout
+    B: int
+    N: int                      # query heads
+    KV_N: int
+    Q_S: int                    # padded query length (packed: longest batch)
+    KV_S: int                   # longest physical KV length of any batch
+    D: int
+    Dv: int
+    T: int                      # packed layouts: total query rows (0 otherwise)
+    dtype: torch.dtype          # query dtype
+    out_dtype: torch.dtype
+    compute_dtype: torch.dtype  # float32, or float64 for float64 input (portable)
+    query: torch.Tensor         # [B, N, Q_S, D] or packed [N, T, D]
+    kv: KVStorage
+    geometry: Tuple[BatchGeometry, ...]
+    mask: MaskSpec
+    pse: Optional[torch.Tensor]  # [Bp, N, Qp, Kp] (Bp in {1, B}), physical coordinates
+    scale: float
+    row_invalid_fix: bool       # inner_precise bit 1
+    high_precision: bool        # inner_precise bit 0 == 0 (never changes semantics)
+    want_lse: bool
+    is_decode: bool
+    strict: bool
+
+    @property
+    def G(self) -> int:
+        return self.N // self.KV_N
+
+    @property
+    def packed(self) -> bool:
+        return self.layout.packed
+
+    @property
+    def device(self) -> torch.device:
+        return self.query.device
+
+    def query_rows(self, b: int, lo: int, hi: int) -> torch.Tensor:
+        """Physical query rows [lo, hi) of batch b: [N, hi - lo, D]."""
+        if self.packed:
+            o = self.geometry[b].q_offset
+            return self.query[:, o + lo:o + hi]
+        return self.query[b, :, lo:hi]
+
+    def out_shape(self) -> tuple:
+        """Canonical output shape: [B, N, Q_S, Dv] or packed [N, T, Dv]."""
+        return (self.N, self.T, self.Dv) if self.packed else (self.B, self.N, self.Q_S, self.Dv)
+
+    def lse_shape(self) -> tuple:
+        """Canonical lse shape: [B, N, Q_S] or packed [N, T]."""
+        return (self.N, self.T) if self.packed else (self.B, self.N, self.Q_S)
