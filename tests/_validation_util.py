@@ -9,6 +9,8 @@ num_heads and num_key_value_heads alike).
 """
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Sequence, Tuple
 
@@ -266,8 +268,14 @@ def assert_input_error(call: Dict[str, Any], names: Sequence[str], status: int =
     assert isinstance(err, ValueError) and isinstance(err, TypeError)
     assert err.status == status, f"status {err.status} != {status}; message: {err}"
     msg = str(err)
-    assert any(n in msg for n in names), f"message {msg!r} names none of {list(names)}"
+    assert any(names_argument(msg, n) for n in names), f"message {msg!r} names none of {list(names)}"
     return err
+
+
+def names_argument(msg: str, name: str) -> bool:
+    """`name` occurs in `msg` as a whole identifier ("actual_seq_lengths" does not match inside
+    "actual_seq_lengths_kv", "key" not inside "key_rope")."""
+    return re.search(r"(?<![A-Za-z0-9_])" + re.escape(name) + r"(?![A-Za-z0-9_])", msg) is not None
 
 
 def check_case(c: Case) -> None:

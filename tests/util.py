@@ -252,7 +252,7 @@ def run_dense(q, k, v, layout, *, lse=True, api="fused", **kw):
 
 
 def check_dense(q, k, v, *, layout="BSH", scale=None, act_q=None, act_kv=None, len_kw=None, atten_mask=None,
-                sparse_mode=0, pre_tokens=INT_MAX, next_tokens=INT_MAX, pse=None, inner_precise=0,
+                sparse_mode=0, pre_tokens=None, next_tokens=None, pse=None, inner_precise=0,
                 poison=True, api="fused", lse=True, naive_sparse=None, naive_pre=None, naive_next=None,
                 naive_ip=None, extra=None):
     """Run one dense case through fia and through the naive model and compare (SPEC 3-6, 13).
@@ -260,6 +260,7 @@ def check_dense(q, k, v, *, layout="BSH", scale=None, act_q=None, act_kv=None, l
     q/k/v canonical [B, N, S, D] in the input dtype. act_q / act_kv: per-batch int lists (right padding) used by
     the reference and for NaN poisoning; len_kw: the length keywords actually passed (default: the lists).
     Decode (Q_S == 1) follows SPEC 5: sparse_mode/pre/next ignored, only a plain mask applies.
+    pre_tokens / next_tokens None = not passed (the API default); naive_* override what the reference uses.
     Returns (out_canon, lse_canon [B, N, Q_S] or None, ref_out, ref_lse)."""
     b, n, sq, d = q.shape
     skv = k.shape[2]
@@ -287,11 +288,14 @@ def check_dense(q, k, v, *, layout="BSH", scale=None, act_q=None, act_kv=None, l
         kw["atten_mask"] = atten_mask
     if pse is not None:
         kw["pse_shift"] = pse
+    if api in ("fused", "prompt"):
+        if pre_tokens is not None:
+            kw["pre_tokens"] = pre_tokens
+        if next_tokens is not None:
+            kw["next_tokens"] = next_tokens
+        kw["sparse_mode"] = sparse_mode
     if api == "fused":
-        kw.update(scale=scale, sparse_mode=sparse_mode, pre_tokens=pre_tokens, next_tokens=next_tokens,
-                  inner_precise=inner_precise)
-    elif api == "prompt":
-        kw.update(scale_value=scale, sparse_mode=sparse_mode, pre_tokens=pre_tokens, next_tokens=next_tokens)
+        kw.update(scale=scale, inner_precise=inner_precise)
     else:
         kw.update(scale_value=scale)
     out, l = run_dense(q_in, k_in, v_in, layout, lse=lse, api=api, **kw)
@@ -299,9 +303,9 @@ def check_dense(q, k, v, *, layout="BSH", scale=None, act_q=None, act_kv=None, l
     # reference
     mask_b = None
     ns = sparse_mode if naive_sparse is None else naive_sparse
-    if atten_mask is not None and ns in (0, 1):
+    if atten_mask is not None and ns in (0, 1):          # modes 2-4: the template carries no information
         mask_b = batched_mask(atten_mask, b, decode)
-    if decode:
+    if decode:                                           # SPEC 5: only a plain mask applies
         ns = 1 if mask_b is not None else 0
     pse_b = None
     if pse is not None:
@@ -309,8 +313,9 @@ def check_dense(q, k, v, *, layout="BSH", scale=None, act_q=None, act_kv=None, l
     ref_out, ref_lse = naive.attention(
         q.double(), k.double(), v.double(), scale=scale, q_windows=[(0, x) for x in aq],
         kv_windows=[(0, x) for x in akv], mask=mask_b, sparse_mode=ns,
-        pre_tokens=pre_tokens if naive_pre is None else naive_pre,
-        next_tokens=next_tokens if naive_next is None else naive_next, pse=pse_b,
+        pre_tokens=naive_pre if naive_pre is not None else (INT_MAX if pre_tokens is None else pre_tokens),
+        next_tokens=naive_next if naive_next is not None else (INT_MAX if next_tokens is None else next_tokens),
+        pse=pse_b,
         inner_precise=inner_precise if naive_ip is None else naive_ip)
 
     dv = v.shape[3]

@@ -41,9 +41,24 @@ def pse_block(p: AttentionProblem, b: int, g: BatchGeometry, dtype) -> Optional[
     return p.pse[bp, :, g.q_lo:g.q_hi, g.kv_lo:g.kv_lo + g.s2].to(dtype)
 
 
+def batch_query(p: AttentionProblem, b: int, g: BatchGeometry, dtype) -> torch.Tensor:
+    """The batch's valid query rows [N, S1, D (+ Dr)]: with MLA rope, [q | q_rope] (SPEC 9)."""
+    q, qr = p.query_rows(b, g.q_lo, g.q_hi)
+    return (q if qr is None else torch.cat([q, qr], dim=-1)).to(dtype)
+
+
 def batch_keys(p: AttentionProblem, b: int, g: BatchGeometry, dtype):
-    """The batch's effective keys/values: [KV_N, S2, D], [KV_N, S2, Dv] in the compute dtype."""
-    k, v = p.kv.rows(b, g, g.kv_lo, g.kv_hi)
+    """The batch's effective keys/values: [KV_N, S2, D (+ Dr)], [KV_N, S2, Dv] in the compute dtype.
+
+    Effective keys = shared prefix (SPEC 7) then the batch's own valid keys; with MLA rope the key is
+    [k | k_rope], so one product gives Q·Kᵀ + Q_rope·K_ropeᵀ.
+    """
+    k, v, kr = p.kv.rows(b, g, g.kv_lo, g.kv_hi)
+    if kr is not None:
+        k = torch.cat([k, kr], dim=-1)
+    if p.prefix is not None:
+        k = torch.cat([p.prefix.key, k], dim=1)
+        v = torch.cat([p.prefix.value, v], dim=1)
     return k.to(dtype), v.to(dtype)
 
 
@@ -83,7 +98,7 @@ class ReferenceBackend(Backend):
         for b, g in enumerate(p.geometry):
             if g.s1 == 0 or g.s2 == 0:
                 continue
-            q = p.query_rows(b, g.q_lo, g.q_hi).to(cd)          # [N, S1, D]
+            q = batch_query(p, b, g, cd)                       # [N, S1, D]
             k, v = batch_keys(p, b, g, cd)                     # [KV_N, S2, D], [KV_N, S2, Dv]
             band = band_outside(p, g, dev)                     # [S1, S2] or None
             user = user_masked(p, b, g)                        # [S1, S2] or None

@@ -96,16 +96,18 @@ def check_band(ctx: Ctx, mode: int, pre: int, nxt: int, q_s: int, kv_s: int) -> 
             raise ctx.err("pre_tokens", f"|pre_tokens| < KV_S = {kv_s} when negative", pre)
 
 
-def build_mask(ctx: Ctx, m, mode: int, pre: int, nxt: int, *, decode: bool, packed: bool, left_padded: bool,
-               row_fix: bool, b: int, q_s: int, kv_s: int) -> MaskSpec:
+def build_mask(ctx: Ctx, m, mode: int, pre: int, nxt: int, *, ignore_sparse: bool, decode_shapes: bool,
+               packed: bool, left_padded: bool, row_fix: bool, b: int, q_s: int, kv_s: int) -> MaskSpec:
     """The effective mask spec.
 
-    q_s / kv_s: the extents the mask must cover (padded Q_S and KV_S incl. prefix, or paged positions).
+    ignore_sparse: decode without rope (sparse_mode and pre/next are ignored, SPEC 5).
+    decode_shapes: Q_S = 1, so the mask takes the decode shapes (B, KV_S), (B, 1, KV_S), (B, 1, 1, KV_S).
+    q_s / kv_s: the extents the mask must cover (Q_S, and KV_S incl. prefix or paged positions).
     """
     if m is not None:
         m = ctx.tensor("atten_mask", m)
         _mask_dtype(ctx, m, row_fix)
-    if decode:
+    if ignore_sparse:
         # SPEC 5: for Q_S = 1 without rope, sparse_mode and pre/next are ignored; only a plain mask applies.
         # SPEC 15.11: with sparse 2-4 the template is checked for shape and otherwise ignored.
         if mode in (2, 3, 4):
@@ -115,13 +117,14 @@ def build_mask(ctx: Ctx, m, mode: int, pre: int, nxt: int, *, decode: bool, pack
         if m is None:
             return MaskSpec("none", mode)
         return MaskSpec("user", mode, user_mask=user_mask(ctx, m, decode=True, b=b, q_s=1, kv_s=kv_s))
+    decode = decode_shapes
     if packed and ctx.strict and not (mode == 0 and m is None) and mode not in (3, 4):
         raise ctx.hw("sparse_mode", "for TND layouts: 0 without atten_mask, or 3/4 with the template",
                      f"sparse_mode {mode}" + (" with a mask" if m is not None else ""))
     if mode == 0:
         if m is None:
             return MaskSpec("none", 0)
-        um = user_mask(ctx, m, decode=False, b=b, q_s=q_s, kv_s=kv_s)
+        um = user_mask(ctx, m, decode=decode, b=b, q_s=q_s, kv_s=kv_s)
         if left_padded or (pre >= q_s + kv_s and nxt >= q_s + kv_s):
             return MaskSpec("user", 0, pre, nxt, um)   # the band covers everything: the mask alone
         check_band(ctx, 0, pre, nxt, q_s, kv_s)
@@ -129,7 +132,7 @@ def build_mask(ctx: Ctx, m, mode: int, pre: int, nxt: int, *, decode: bool, pack
     if mode == 1:
         if m is None:
             raise ctx.err("atten_mask", "a full (Q_S, KV_S) mask for sparse_mode 1 (allMask)", "None")
-        return MaskSpec("user", 1, user_mask=user_mask(ctx, m, decode=False, b=b, q_s=q_s, kv_s=kv_s))
+        return MaskSpec("user", 1, user_mask=user_mask(ctx, m, decode=decode, b=b, q_s=q_s, kv_s=kv_s))
     _template(ctx, m, mode)
     if mode == 4:
         check_band(ctx, 4, pre, nxt, q_s, kv_s)

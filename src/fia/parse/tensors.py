@@ -1,4 +1,4 @@
-"""Dtypes, ranks, heads and dims of query / key / value; KV storage (dense, packed, tensor list)."""
+"""Dtypes, ranks, heads and dims of query / key / value; dense, packed and tensor-list KV (SPEC 2, 8)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,31 +23,29 @@ def parse_layout(ctx: Ctx, s) -> Layout:
 
 
 def query_dtype(ctx: Ctx, q: torch.Tensor) -> None:
-    if q.dtype in FLOAT_STRICT:
-        return
+    if q.dtype in FLOAT_STRICT or q.dtype == torch.int8:
+        return   # int8: full quantization, checked with the quant arguments
     if q.dtype in FLOAT_PORTABLE:
-        e = ctx.hw("query", "dtype float16 or bfloat16", f"dtype {dtype_name(q.dtype)}")
+        e = ctx.hw("query", "dtype float16, bfloat16 or int8", f"dtype {dtype_name(q.dtype)}")
         if e:
             raise e
         return
-    if q.dtype == torch.int8:
-        return  # full quantization; checked with the quant arguments
-    allowed = "float16, bfloat16 or int8" + (" (float32/float64 in portable mode)" if ctx.strict else ", float32, float64")
+    allowed = "float16, bfloat16 or int8" + (" (float32/float64 in portable mode)" if ctx.strict else
+                                              ", float32, float64")
     raise ctx.err("query", f"dtype {allowed}", f"dtype {dtype_name(q.dtype)}")
 
 
 @dataclass(frozen=True)
-class Dims:
-    B: int
+class QueryDims:
+    B: int            # -1 for packed layouts (the lengths list decides)
     N: int
     KV_N: int
-    Q_S: int          # padded query length; packed: T
+    S: int            # padded Q_S; packed: T
     D: int
-    Dv: int
 
 
-def _kv_tensors(ctx: Ctx, name: str, x):
-    """key/value: a tensor, or a list/tuple of tensors (tensor-list KV). Returns (tensor | tuple)."""
+def kv_arg(ctx: Ctx, name: str, x):
+    """key/value: a tensor, or a list/tuple of tensors (tensor-list KV). Returns tensor | tuple."""
     if x is None:
         raise ctx.err(name, "a tensor or a list of tensors", "None", status=161001)
     if isinstance(x, torch.Tensor):
@@ -62,10 +60,9 @@ def _kv_tensors(ctx: Ctx, name: str, x):
     raise ctx.err(name, "a torch.Tensor or a list of tensors", x)
 
 
-def _heads_and_dim(ctx: Ctx, layout: Layout, t: torch.Tensor, heads: int, name: str, heads_arg: str):
+def heads_and_dim(ctx: Ctx, layout: Layout, t: torch.Tensor, heads: int, name: str, heads_arg: str):
     """(N, D) of a tensor in the input layout, checked against the head count argument."""
-    inp = layout.inp
-    hd = heads_dim(inp)
+    hd = heads_dim(layout.inp)
     if hd is None:  # BSH: H = N * D
         h = t.shape[2]
         if heads <= 0 or h % heads:
@@ -77,11 +74,7 @@ def _heads_and_dim(ctx: Ctx, layout: Layout, t: torch.Tensor, heads: int, name: 
     return n, t.shape[-1]
 
 
-def parse_qkv(ctx: Ctx, layout: Layout, query: torch.Tensor, key, value, num_heads, num_kv_heads,
-              *, allow_dv_differs: bool):
-    """Validate shapes/heads; return (Dims, canonical query, kv storage, per-batch physical kv lengths)."""
-    key = _kv_tensors(ctx, "key", key)
-    value = _kv_tensors(ctx, "value", value)
+def query_dims(ctx: Ctx, layout: Layout, query: torch.Tensor, num_heads, num_kv_heads) -> QueryDims:
     num_heads = ctx.integer("num_heads", num_heads)
     num_kv_heads = ctx.integer("num_key_value_heads", num_kv_heads)
     if query.dim() != layout.rank:
@@ -91,7 +84,7 @@ def parse_qkv(ctx: Ctx, layout: Layout, query: torch.Tensor, key, value, num_hea
     if num_kv_heads < 0:
         raise ctx.err("num_key_value_heads", "0 (same as num_heads) or a positive integer", num_kv_heads)
     kv_n = num_kv_heads or num_heads
-    n, d = _heads_and_dim(ctx, layout, query, num_heads, "query", "num_heads")
+    n, d = heads_and_dim(ctx, layout, query, num_heads, "query", "num_heads")
     if n % kv_n:
         raise ctx.err("num_key_value_heads", f"a divisor of num_heads = {n}", num_kv_heads)
     if ctx.strict and n // kv_n > MAX_G:
@@ -100,65 +93,63 @@ def parse_qkv(ctx: Ctx, layout: Layout, query: torch.Tensor, key, value, num_hea
         raise ctx.hw("num_heads", f"at most {MAX_N} query heads", n)
     if ctx.strict and d > MAX_D:
         raise ctx.hw("query", f"head dim D <= {MAX_D}", f"D = {d}")
+    b = -1 if layout.packed else query.shape[0]
+    if ctx.strict and b > MAX_B:
+        raise ctx.hw("query", f"batch B <= {MAX_B}", f"B = {b}")
+    return QueryDims(b, n, kv_n, query.shape[seq_dim(layout.inp)], d)
 
-    is_list = isinstance(key, tuple) or isinstance(value, tuple)
-    if is_list:
-        if not (isinstance(key, tuple) and isinstance(value, tuple)):
-            raise ctx.err("value" if isinstance(key, tuple) else "key",
-                          "the same kind as the other of key/value (both tensors or both lists)",
-                          "a tensor" if isinstance(key, tuple) else "a list")
-        if len(key) != len(value):
-            raise ctx.err("value", f"a list of {len(key)} tensors like key", f"{len(value)} tensors")
-        if len(key) == 1 and not layout.packed and key[0].dim() == layout.rank \
-                and key[0].shape[0] == query.shape[0]:
-            key, value, is_list = key[0], value[0], False  # one tensor holding every batch: dense
-    qc = to_canonical(query, layout.inp, n)
-    if is_list:
-        return _parse_list(ctx, layout, query, qc, key, value, n, kv_n, d, num_kv_heads, allow_dv_differs)
 
+def _value_dim(ctx: Ctx, layout: Layout, value: torch.Tensor, kv_n: int, name: str = "value") -> int:
+    if layout.inp == "BSH":
+        if value.shape[2] % kv_n:
+            raise ctx.err(name, f"H divisible by num_key_value_heads = {kv_n}", value)
+        return value.shape[2] // kv_n
+    if value.shape[heads_dim(layout.inp)] != kv_n:
+        raise ctx.err(name, f"{kv_n} heads (num_key_value_heads)", value)
+    return value.shape[-1]
+
+
+def dense_kv(ctx: Ctx, layout: Layout, qd: QueryDims, key: torch.Tensor, value: torch.Tensor,
+             key_rope: Optional[torch.Tensor], *, allow_dv_differs: bool):
+    """Dense / packed KV. Returns (storage, Dv, per-batch physical KV lengths or None for packed)."""
+    kv_n, d = qd.KV_N, qd.D
     for name, t in (("key", key), ("value", value)):
         if t.dim() != layout.rank:
             raise ctx.err(name, f"a {layout.rank}-D tensor for input_layout {layout.name}", t)
-    kn, kd = _heads_and_dim(ctx, layout, key, kv_n, "key", "num_key_value_heads")
+    _, kd = heads_and_dim(ctx, layout, key, kv_n, "key", "num_key_value_heads")
     if kd != d:
         raise ctx.err("key", f"head dim D = {d} (the query's)", f"D = {kd} ({tuple(key.shape)})")
-    if layout.inp == "BSH":
-        if value.shape[2] % kv_n:
-            raise ctx.err("value", f"H divisible by num_key_value_heads = {kv_n}", value)
-        vd = value.shape[2] // kv_n
-    else:
-        vn = value.shape[heads_dim(layout.inp)]
-        if vn != kv_n:
-            raise ctx.err("value", f"{kv_n} heads like key", value)
-        vd = value.shape[-1]
+    vd = _value_dim(ctx, layout, value, kv_n)
     if key.shape[:-1] != value.shape[:-1] or (vd != d and not allow_dv_differs):
         raise ctx.err("value", f"the shape of key {tuple(key.shape)}", value)
-    sd = seq_dim(layout.inp)
+    krc = None
+    if key_rope is not None:
+        if key_rope.dim() != layout.rank or key_rope.shape[:-1] != key.shape[:-1]:
+            raise ctx.err("key_rope", f"the shape of key {tuple(key.shape)} except the last dim", key_rope)
+        krc = to_canonical(key_rope, layout.inp, kv_n)
+    kc, vc = to_canonical(key, layout.inp, kv_n), to_canonical(value, layout.inp, kv_n)
     if layout.packed:
-        dims = Dims(B=-1, N=n, KV_N=kv_n, Q_S=query.shape[sd], D=d, Dv=vd)
-        kv = PackedKV(to_canonical(key, layout.inp, kv_n), to_canonical(value, layout.inp, kv_n))
-        return dims, qc, kv, None
-    b = query.shape[0]
-    if key.shape[0] != b:
-        raise ctx.err("key", f"batch {b} (the query's)", key)
-    if ctx.strict and b > MAX_B:
-        raise ctx.hw("query", f"batch B <= {MAX_B}", f"B = {b}")
-    dims = Dims(B=b, N=n, KV_N=kv_n, Q_S=query.shape[sd], D=d, Dv=vd)
-    kv = DenseKV(to_canonical(key, layout.inp, kv_n), to_canonical(value, layout.inp, kv_n))
-    return dims, qc, kv, (key.shape[sd],) * b
+        return PackedKV(kc, vc, krc), vd, None
+    if key.shape[0] != qd.B:
+        raise ctx.err("key", f"batch {qd.B} (the query's)", key)
+    return DenseKV(kc, vc, krc), vd, (key.shape[seq_dim(layout.inp)],) * qd.B
 
 
-def _parse_list(ctx, layout, query, qc, keys, values, n, kv_n, d, num_kv_heads, allow_dv_differs):
+def list_kv(ctx: Ctx, layout: Layout, qd: QueryDims, keys: tuple, values: tuple, key_rope):
+    """Tensor-list KV: B tensors with batch 1 and individual S. Returns (storage, Dv, per-batch lengths)."""
     if layout.packed:
         raise ctx.err("key", "a tensor (tensor-list KV is not available with TND layouts)", keys)
-    b = query.shape[0]
+    if key_rope is not None:
+        raise ctx.err("key_rope", "None with tensor-list key/value (MLA does not support tensor lists)", key_rope)
+    b = qd.B
     if len(keys) != b:
         raise ctx.err("key", f"a list of B = {b} tensors (one per batch)", f"{len(keys)} tensors")
+    if len(values) != len(keys):
+        raise ctx.err("value", f"a list of {len(keys)} tensors like key", f"{len(values)} tensors")
     if ctx.strict and b > MAX_LIST_B:
         raise ctx.hw("key", f"at most {MAX_LIST_B} tensors in a tensor list", len(keys))
     sd = seq_dim(layout.inp)
     ks, vs, lens = [], [], []
-    vd = None
     for i, (k, v) in enumerate(zip(keys, values)):
         for name, t in (("key", k), ("value", v)):
             if t.dim() != layout.rank or t.shape[0] != 1:
@@ -166,25 +157,33 @@ def _parse_list(ctx, layout, query, qc, keys, values, n, kv_n, d, num_kv_heads, 
         if k.dtype != keys[0].dtype or v.dtype != values[0].dtype:
             raise ctx.err("key" if k.dtype != keys[0].dtype else "value",
                           "the same dtype in every list element", f"element {i}: {k.dtype}/{v.dtype}")
-        _, kd = _heads_and_dim(ctx, layout, k, kv_n, "key", "num_key_value_heads")
-        if kd != d:
-            raise ctx.err("key", f"head dim D = {d} in every list element", f"element {i}: D = {kd}")
+        _, kd = heads_and_dim(ctx, layout, k, qd.KV_N, "key", "num_key_value_heads")
+        if kd != qd.D:
+            raise ctx.err("key", f"head dim D = {qd.D} in every list element", f"element {i}: D = {kd}")
         if k.shape != v.shape:
             raise ctx.err("value", f"element {i} shaped like key {tuple(k.shape)}", v)
-        ks.append(to_canonical(k, layout.inp, kv_n)[0])
-        vs.append(to_canonical(v, layout.inp, kv_n)[0])
+        ks.append(to_canonical(k, layout.inp, qd.KV_N)[0])
+        vs.append(to_canonical(v, layout.inp, qd.KV_N)[0])
         lens.append(k.shape[sd])
-        vd = ks[-1].shape[-1]
-    dims = Dims(B=b, N=n, KV_N=kv_n, Q_S=query.shape[sd], D=d, Dv=vs[0].shape[-1])
-    return dims, qc, ListKV(tuple(ks), tuple(vs)), tuple(lens)
+    return ListKV(tuple(ks), tuple(vs)), vs[0].shape[-1], tuple(lens)
 
 
-def kv_dtype(ctx: Ctx, q: torch.Tensor, kv) -> torch.dtype:
-    """key/value dtype; equal to the query's for the float paths (quantized KV is checked elsewhere)."""
-    if isinstance(kv, DenseKV) or isinstance(kv, PackedKV):
-        kd, vd = kv.key.dtype, kv.value.dtype
-    else:
-        kd, vd = kv.keys[0].dtype, kv.values[0].dtype
-    if kd != vd:
-        raise ctx.err("value", f"dtype {dtype_name(kd)} (the key's)", f"dtype {dtype_name(vd)}")
-    return kd
+def split_list(layout: Layout, query: torch.Tensor, key, value):
+    """A one-element list holding every batch is a dense tensor."""
+    if isinstance(key, tuple) and isinstance(value, tuple) and len(key) == 1 and len(value) == 1 \
+            and not layout.packed and key[0].dim() == layout.rank and query.dim() == layout.rank \
+            and key[0].shape[0] == query.shape[0] and query.shape[0] != 1:
+        return key[0], value[0]
+    return key, value
+
+
+def same_kind(ctx: Ctx, key, value) -> None:
+    if isinstance(key, tuple) != isinstance(value, tuple):
+        raise ctx.err("value", "the same kind as key (both tensors or both lists)",
+                      "a list" if isinstance(value, tuple) else "a tensor")
+
+
+def kv_dtypes(ctx: Ctx, kv) -> Tuple[torch.dtype, torch.dtype]:
+    if hasattr(kv, "keys"):
+        return kv.keys[0].dtype, kv.values[0].dtype
+    return kv.key.dtype, kv.value.dtype

@@ -1,10 +1,10 @@
-"""AttentionProblem: one normalized, immutable description of a call (SPEC 2-6).
+"""AttentionProblem: one normalized, immutable description of a call (SPEC 2-9).
 
 Parse builds it once; backends only read it. Coordinates:
 * physical: positions inside the tensors the user passed (row r of the query, key position p);
 * window-local: i = r - q_lo, j = column inside the batch's effective keys (prefix first, then the
   batch's own valid keys). Band geometry (SPEC 5) is window-local; user masks and pse_shift are
-  indexed physically: row r, column P + p (prefix columns first).
+  indexed physically: row r, column kv_lo + j (prefix columns first, so own key p sits at P + p).
 """
 from __future__ import annotations
 
@@ -76,15 +76,22 @@ class MaskSpec:
         raise AssertionError(m)
 
 
+def _cut(t: Optional[torch.Tensor], lo: int, hi: int):
+    return None if t is None else t[:, lo:hi]
+
+
 @dataclass(frozen=True)
 class DenseKV:
-    """key [B, KV_N, KV_S, D], value [B, KV_N, KV_S, Dv] (canonical views)."""
+    """key [B, KV_N, KV_S, D], value [B, KV_N, KV_S, Dv], key_rope [B, KV_N, KV_S, Dr] (canonical views)."""
     key: torch.Tensor
     value: torch.Tensor
+    key_rope: Optional[torch.Tensor] = None
     kind: str = field(default="dense", init=False)
 
     def rows(self, b: int, g: BatchGeometry, lo: int, hi: int):
-        return self.key[b, :, lo:hi], self.value[b, :, lo:hi]
+        """Own keys [lo, hi) of batch b: key [KV_N, n, D], value [KV_N, n, Dv], key_rope [KV_N, n, Dr] | None."""
+        kr = None if self.key_rope is None else self.key_rope[b]
+        return self.key[b, :, lo:hi], self.value[b, :, lo:hi], _cut(kr, lo, hi)
 
 
 @dataclass(frozen=True)
@@ -92,11 +99,12 @@ class PackedKV:
     """TND family: key [KV_N, T_kv, D], value [KV_N, T_kv, Dv]; batch b starts at its kv_offset."""
     key: torch.Tensor
     value: torch.Tensor
+    key_rope: Optional[torch.Tensor] = None
     kind: str = field(default="packed", init=False)
 
     def rows(self, b: int, g: BatchGeometry, lo: int, hi: int):
         o = g.kv_offset
-        return self.key[:, o + lo:o + hi], self.value[:, o + lo:o + hi]
+        return self.key[:, o + lo:o + hi], self.value[:, o + lo:o + hi], _cut(self.key_rope, o + lo, o + hi)
 
 
 @dataclass(frozen=True)
@@ -104,13 +112,61 @@ class ListKV:
     """Tensor-list KV: per batch key [KV_N, S_b, D], value [KV_N, S_b, Dv] (batch axis dropped)."""
     keys: Tuple[torch.Tensor, ...]
     values: Tuple[torch.Tensor, ...]
+    key_ropes: Optional[Tuple[torch.Tensor, ...]] = None
     kind: str = field(default="list", init=False)
 
     def rows(self, b: int, g: BatchGeometry, lo: int, hi: int):
-        return self.keys[b][:, lo:hi], self.values[b][:, lo:hi]
+        kr = None if self.key_ropes is None else self.key_ropes[b]
+        return self.keys[b][:, lo:hi], self.values[b][:, lo:hi], _cut(kr, lo, hi)
 
 
-KVStorage = Union[DenseKV, PackedKV, ListKV]
+@dataclass(frozen=True)
+class PagedKV:
+    """Paged cache: key [NB, KV_N, bs, D], value [NB, KV_N, bs, Dv] (canonical views of either cache
+    layout); block_table [B, MB] (int); token p of batch b lives in block table[b, p // bs], slot p % bs.
+    table_host: the same table as Python ints (planning never syncs with a device)."""
+    key: torch.Tensor
+    value: torch.Tensor
+    block_table: torch.Tensor
+    block_size: int
+    table_host: Tuple[Tuple[int, ...], ...]
+    key_rope: Optional[torch.Tensor] = None
+    kind: str = field(default="paged", init=False)
+
+    def rows(self, b: int, g: BatchGeometry, lo: int, hi: int):
+        """Gathers only the blocks holding positions [lo, hi) of batch b (never the whole pool)."""
+        bs = self.block_size
+        if hi <= lo:
+            e = self.key.new_empty
+            kr = None if self.key_rope is None else self.key_rope.new_empty(
+                (self.key_rope.shape[1], 0, self.key_rope.shape[3]))
+            return (e((self.key.shape[1], 0, self.key.shape[3])),
+                    self.value.new_empty((self.value.shape[1], 0, self.value.shape[3])), kr)
+        first, last = lo // bs, (hi - 1) // bs
+        ids = torch.tensor(self.table_host[b][first:last + 1], dtype=torch.long, device=self.key.device)
+        off = lo - first * bs
+
+        def gather(cache):  # [NB, KV_N, bs, D] -> [KV_N, hi - lo, D]
+            blocks = cache.index_select(0, ids)                          # [nb, KV_N, bs, D]
+            flat = blocks.permute(1, 0, 2, 3).reshape(cache.shape[1], -1, cache.shape[3])
+            return flat[:, off:off + hi - lo]
+
+        kr = None if self.key_rope is None else gather(self.key_rope)
+        return gather(self.key), gather(self.value), kr
+
+
+KVStorage = Union[DenseKV, PackedKV, ListKV, PagedKV]
+
+
+@dataclass(frozen=True)
+class SharedPrefix:
+    """System-prompt KV shared by every batch: key [KV_N, P, D], value [KV_N, P, Dv] (already cut to P)."""
+    key: torch.Tensor
+    value: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return self.key.shape[1]
 
 
 @dataclass(frozen=True)
@@ -121,7 +177,7 @@ class AttentionProblem:
     N: int                      # query heads
     KV_N: int
     Q_S: int                    # padded query length (packed: longest batch)
-    KV_S: int                   # longest physical KV length of any batch
+    KV_S: int                   # longest physical KV length of any batch (paged: max_blocks * block_size)
     D: int
     Dv: int
     T: int                      # packed layouts: total query rows (0 otherwise)
@@ -139,6 +195,8 @@ class AttentionProblem:
     want_lse: bool
     is_decode: bool
     strict: bool
+    query_rope: Optional[torch.Tensor] = None   # like query with D -> Dr
+    prefix: Optional[SharedPrefix] = None
 
     @property
     def G(self) -> int:
@@ -152,12 +210,13 @@ class AttentionProblem:
     def device(self) -> torch.device:
         return self.query.device
 
-    def query_rows(self, b: int, lo: int, hi: int) -> torch.Tensor:
-        """Physical query rows [lo, hi) of batch b: [N, hi - lo, D]."""
+    def query_rows(self, b: int, lo: int, hi: int):
+        """Physical query rows [lo, hi) of batch b: q [N, hi - lo, D], q_rope [N, hi - lo, Dr] | None."""
         if self.packed:
             o = self.geometry[b].q_offset
-            return self.query[:, o + lo:o + hi]
-        return self.query[b, :, lo:hi]
+            return self.query[:, o + lo:o + hi], _cut(self.query_rope, o + lo, o + hi)
+        qr = None if self.query_rope is None else self.query_rope[b]
+        return self.query[b, :, lo:hi], _cut(qr, lo, hi)
 
     def out_shape(self) -> tuple:
         """Canonical output shape: [B, N, Q_S, Dv] or packed [N, T, Dv]."""

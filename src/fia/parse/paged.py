@@ -1,0 +1,91 @@
+"""Paged KV cache: block_table + block_size (SPEC 8)."""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from ..spec.layout import Layout
+from ..spec.problem import PagedKV
+from .context import Ctx, dtype_name
+from .tensors import QueryDims
+
+MAX_BLOCK_SIZE = 512
+MAX_3D_H = 65535
+
+
+def _cache(ctx: Ctx, name: str, t: torch.Tensor, layout: Layout, kv_n: int, dim: Optional[int]):
+    """A cache tensor -> canonical [NB, KV_N, bs, D] view. dim: the required D (None = any)."""
+    if t.dim() == 3:                                   # (blocknum, block_size, KV_N * D)
+        h = t.shape[2]
+        if h % kv_n:
+            raise ctx.err(name, f"a (blocknum, block_size, KV_N*D) cache with H divisible by KV_N = {kv_n}", t)
+        d = h // kv_n
+        if ctx.strict and h > MAX_3D_H:
+            raise ctx.hw(name, f"H = KV_N*D <= {MAX_3D_H} for the (blocknum, block_size, H) cache", f"H = {h}",
+                         "use the (blocknum, KV_N, block_size, D) cache or fewer KV heads")
+        view = t.unflatten(2, (kv_n, d)).permute(0, 2, 1, 3)
+    elif t.dim() == 4:                                 # (blocknum, KV_N, block_size, D)
+        if layout.inp not in ("BNSD", "TND"):
+            raise ctx.err(name, f"a 3-D (blocknum, block_size, H) cache for input_layout {layout.name} "
+                          "(the 4-D cache needs BNSD or TND)", t)
+        if t.shape[1] != kv_n:
+            raise ctx.err(name, f"KV_N = {kv_n} heads on axis 1 of the (blocknum, KV_N, block_size, D) cache", t)
+        d = t.shape[3]
+        view = t
+    else:
+        raise ctx.err(name, "a 3-D (blocknum, block_size, H) or 4-D (blocknum, KV_N, block_size, D) cache", t)
+    if dim is not None and d != dim:
+        raise ctx.err(name, f"head dim {dim}", f"D = {d} ({tuple(t.shape)})")
+    return view
+
+
+def paged_kv(ctx: Ctx, layout: Layout, qd: QueryDims, b: int, key, value, key_rope, block_table, block_size,
+             kv_lens: Tuple[int, ...], *, decode: bool, kv_dtype: torch.dtype):
+    """Validate the paged cache; return (PagedKV, Dv, max_blocks * block_size)."""
+    if isinstance(key, tuple) or isinstance(value, tuple):
+        raise ctx.err("block_table", "None with tensor-list key/value (paged KV does not take tensor lists)",
+                      block_table)
+    bt = ctx.tensor("block_table", block_table)
+    bs = ctx.integer("block_size", block_size)
+    if bt.dim() != 2:
+        raise ctx.err("block_table", "a 2-D [B, max_blocks] tensor", bt)
+    if bt.dtype not in (torch.int32, torch.int64) or (ctx.strict and bt.dtype != torch.int32):
+        raise ctx.err("block_table", "dtype int32" + ("" if ctx.strict else " or int64"), f"dtype {dtype_name(bt.dtype)}")
+    if bt.shape[0] != b:
+        raise ctx.err("block_table", f"B = {b} rows", bt)
+    if bs <= 0:
+        raise ctx.err("block_size", "a positive block size with block_table", bs)
+    if ctx.strict:
+        if bs > MAX_BLOCK_SIZE:
+            raise ctx.hw("block_size", f"at most {MAX_BLOCK_SIZE}", bs)
+        align = (32 if kv_dtype == torch.int8 else 16) if decode else 128
+        if bs % align:
+            raise ctx.hw("block_size", f"a multiple of {align}" + (" for decode with " + dtype_name(kv_dtype)
+                                                                  + " KV" if decode else " for Q_S > 1"), bs)
+    kc = _cache(ctx, "key", key, layout, qd.KV_N, qd.D)
+    vc = _cache(ctx, "value", value, layout, qd.KV_N, None)
+    if vc.shape[0] != kc.shape[0] or vc.shape[2] != kc.shape[2] or key.dim() != value.dim():
+        raise ctx.err("value", f"a cache shaped like key {tuple(key.shape)} (except D)", value)
+    if kc.shape[2] != bs:
+        raise ctx.err("block_size", f"the cache's block axis = {kc.shape[2]}", bs)
+    krc = None
+    if key_rope is not None:
+        krc = _cache(ctx, "key_rope", key_rope, layout, qd.KV_N, None)
+        if krc.shape[:3] != kc.shape[:3] or key_rope.dim() != key.dim():
+            raise ctx.err("key_rope", f"a cache shaped like key {tuple(key.shape)} except D", key_rope)
+    nb, mb = kc.shape[0], bt.shape[1]
+    need = max(((n + bs - 1) // bs for n in kv_lens), default=0)
+    if mb < need:
+        raise ctx.err("block_table", f"at least {need} columns (ceil(max actual_seq_lengths_kv / block_size))",
+                      bt)
+    host = bt.to("cpu", torch.int64)
+    cols = torch.arange(mb).unsqueeze(0)                                         # [1, MB]
+    used = cols < torch.tensor([(n + bs - 1) // bs for n in kv_lens], dtype=torch.int64).unsqueeze(1)
+    bad = used & ((host < 0) | (host >= nb))                                     # [B, MB]
+    if bool(bad.any()):
+        i, j = (int(x) for x in bad.nonzero()[0])
+        raise ctx.err("block_table", f"block ids in [0, {nb}) for every used entry (blocknum = {nb})",
+                      f"{int(host[i, j])} at [{i}, {j}]", "FIA range-checks block ids instead of reading out of bounds")
+    table = tuple(tuple(r) for r in host.tolist())
+    return PagedKV(kc, vc, bt, bs, table, krc), vc.shape[3], mb * bs
