@@ -9,7 +9,10 @@ from .spec.problem import AttentionProblem
 
 
 def finalize(p: AttentionProblem, r: BackendResult):
-    out = from_canonical(r.out.to(p.out_dtype), p.layout.out)
+    if p.out_quant is not None:     # SPEC 12: never-computed rows quantize their 0 like every other value
+        out = from_canonical(p.out_quant.apply(r.out, p.packed), p.layout.out)
+    else:
+        out = from_canonical(r.out.to(p.out_dtype), p.layout.out)
     if not p.want_lse or r.lse is None:
         lse = torch.empty(0, dtype=torch.float32, device=p.device)
     elif p.packed:

@@ -10,6 +10,7 @@ from typing import List, Optional
 import torch
 
 from ..spec.problem import MASK_FILL, AttentionProblem, BatchGeometry
+from ..spec.quant import FullQuant, round_half_even_saturate_int8, unpack_int4
 from .base import Backend, BackendResult
 
 
@@ -42,9 +43,26 @@ def pse_block(p: AttentionProblem, b: int, g: BatchGeometry, dtype) -> Optional[
 
 
 def batch_query(p: AttentionProblem, b: int, g: BatchGeometry, dtype) -> torch.Tensor:
-    """The batch's valid query rows [N, S1, D (+ Dr)]: with MLA rope, [q | q_rope] (SPEC 9)."""
+    """The batch's valid query rows [N, S1, D (+ Dr)]: with MLA rope, [q | q_rope] (SPEC 9).
+
+    An int8 query with query_quant_mode 3 is dequantized per token and head: Q = Q_q * scale (SPEC 11).
+    """
     q, qr = p.query_rows(b, g.q_lo, g.q_hi)
-    return (q if qr is None else torch.cat([q, qr], dim=-1)).to(dtype)
+    q = q.to(dtype)
+    if p.query_dequant is not None:
+        # scale (B, Q_N, Q_S): indexed by the batch's own row (packed layouts: row within the batch)
+        q = q * p.query_dequant.scale[b, :, g.q_lo:g.q_hi, None].to(dtype)
+    return q if qr is None else torch.cat([q, qr.to(dtype)], dim=-1)
+
+
+def _dequant(p: AttentionProblem, which: str, x: torch.Tensor, b: int, lo: int, hi: int, dtype) -> torch.Tensor:
+    """SPEC 10: x = (x_q + offset) * scale for own keys [lo, hi) of batch b; int4 is unpacked first."""
+    aq = p.antiquant
+    if aq.int4:
+        x = unpack_int4(x)
+    spec = aq.key if which == "key" else aq.value
+    table = getattr(p.kv, "table_host", None)
+    return spec.apply(x, dtype, b, lo, hi, table, getattr(p.kv, "block_size", 0))
 
 
 def batch_keys(p: AttentionProblem, b: int, g: BatchGeometry, dtype):
@@ -54,12 +72,22 @@ def batch_keys(p: AttentionProblem, b: int, g: BatchGeometry, dtype):
     [k | k_rope], so one product gives Q·Kᵀ + Q_rope·K_ropeᵀ.
     """
     k, v, kr = p.kv.rows(b, g, g.kv_lo, g.kv_hi)
-    if kr is not None:
-        k = torch.cat([k, kr], dim=-1)
+    pk = pv = None
     if p.prefix is not None:
-        k = torch.cat([p.prefix.key, k], dim=1)
-        v = torch.cat([p.prefix.value, v], dim=1)
-    return k.to(dtype), v.to(dtype)
+        pk, pv = p.prefix.key, p.prefix.value
+    if p.antiquant is not None:     # dequantize only this batch's keys, never the cache
+        k = _dequant(p, "key", k, b, g.kv_lo, g.kv_hi, dtype)
+        v = _dequant(p, "value", v, b, g.kv_lo, g.kv_hi, dtype)
+        if pk is not None:          # per-tensor / per-channel / per-head only (parse rejects per-token)
+            pk = _dequant(p, "key", pk, b, 0, pk.shape[1], dtype)
+            pv = _dequant(p, "value", pv, b, 0, pv.shape[1], dtype)
+    k, v = k.to(dtype), v.to(dtype)
+    if kr is not None:
+        k = torch.cat([k, kr.to(dtype)], dim=-1)
+    if pk is not None:
+        k = torch.cat([pk.to(dtype), k], dim=1)
+        v = torch.cat([pv.to(dtype), v], dim=1)
+    return k, v
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bias: Optional[torch.Tensor],
@@ -83,6 +111,32 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bias
     return out, lse
 
 
+def attend_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fq: FullQuant, scale: float,
+                bias: Optional[torch.Tensor], masked: Optional[torch.Tensor]):
+    """Full int8 quantization (SPEC 11). q [N, S1, D], k [KV_N, S2, D], v [KV_N, S2, Dv] hold int8 values.
+
+    S = (int32(Q Kᵀ) * dequant_scale1) * scale; P = softmax(S); P8 = sat_int8(round_half_even(P * quant_scale1));
+    O = int32(P8 V) * dequant_scale2. Integer products are exact in float64.
+    """
+    n, s1, d = q.shape
+    kv_n, s2, dv = v.shape
+    g = n // kv_n
+    qi = q.to(torch.float64).reshape(kv_n, g * s1, d)
+    acc = torch.bmm(qi, k.to(torch.float64).transpose(1, 2)).reshape(n, s1, s2)      # int32(Q·Kᵀ), exact
+    s = (acc.to(torch.float32) * fq.dequant_scale1) * scale                          # float32 from here
+    if bias is not None:
+        s = s + bias
+    if masked is not None:
+        s = s.masked_fill(masked, MASK_FILL)
+    m = s.amax(dim=-1, keepdim=True)
+    e = torch.exp(s - m)
+    den = e.sum(dim=-1, keepdim=True)
+    p8 = round_half_even_saturate_int8((e / den) * fq.quant_scale1)                  # [N, S1, S2] int8
+    o = torch.bmm(p8.to(torch.float64).reshape(kv_n, g * s1, s2), v.to(torch.float64))  # int32(P8·V), exact
+    out = o.reshape(n, s1, dv).to(torch.float32) * fq.dequant_scale2
+    return out, (m + torch.log(den)).squeeze(-1)
+
+
 class ReferenceBackend(Backend):
     name = "reference"
     priority = 0
@@ -100,10 +154,14 @@ class ReferenceBackend(Backend):
                 continue
             q = batch_query(p, b, g, cd)                       # [N, S1, D]
             k, v = batch_keys(p, b, g, cd)                     # [KV_N, S2, D], [KV_N, S2, Dv]
+            bias = pse_block(p, b, g, cd)                      # [N, S1, S2] or None
             band = band_outside(p, g, dev)                     # [S1, S2] or None
             user = user_masked(p, b, g)                        # [S1, S2] or None
             masked = band if user is None else (user if band is None else band | user)
-            o, l = attend(q, k, v, p.scale, pse_block(p, b, g, cd), masked)
+            if p.full_quant is not None:
+                o, l = attend_int8(q, k, v, p.full_quant, p.scale, bias, masked)
+            else:
+                o, l = attend(q, k, v, p.scale, bias, masked)
             dead = torch.zeros(g.s1, dtype=torch.bool, device=dev)
             if band is not None:
                 dead |= band.all(dim=-1)       # the geometry leaves the row no key: 0 / +inf always

@@ -1,7 +1,7 @@
 """parse_fused: raw npu_fused_infer_attention_score arguments -> AttentionProblem.
 
 The order of checks follows the data flow: tensors and layout, heads and dims, KV storage, lengths
-and padding, prefix, masks, pse, precision flags. Every check runs before any computation.
+and padding, prefix, masks, pse, quantization, precision flags. Every check runs before any computation.
 """
 from __future__ import annotations
 
@@ -14,14 +14,12 @@ from ..errors import FiaUnsupportedError
 from ..spec.problem import AttentionProblem, BatchGeometry
 from . import lengths as L
 from . import masking as M
+from . import quant as QT
 from . import sequence as Q
 from . import tensors as T
 from .context import Ctx, dtype_name
 from .later import reject_unimplemented
 from .paged import paged_kv
-
-_IMPLEMENTED = frozenset({"block_table", "query_padding_size", "kv_padding_size", "key_shared_prefix",
-                          "value_shared_prefix", "actual_shared_prefix_len", "query_rope", "key_rope"})
 
 
 def parse_fused(a: dict, api: str = "npu_fused_infer_attention_score", aliases: Optional[dict] = None,
@@ -32,15 +30,16 @@ def parse_fused(a: dict, api: str = "npu_fused_infer_attention_score", aliases: 
     value = T.kv_arg(ctx, "value", a["value"])
     layout = T.parse_layout(ctx, a["input_layout"])
     T.query_dtype(ctx, query)
-    reject_unimplemented(ctx, a, _IMPLEMENTED)
-    if query.dtype == torch.int8:
-        raise FiaUnsupportedError(f"{ctx.n('query')}: int8 query (full quantization) is not implemented yet",
-                                  {"reference": ["full int8 quantization not implemented"]})
+    reject_unimplemented(ctx, a)
     qd = T.query_dims(ctx, layout, query, a["num_heads"], a["num_key_value_heads"])
     T.same_kind(ctx, key, value)
     key, value = T.split_list(layout, query, key, value)
     is_list = isinstance(key, tuple)
+    kind = QT.classify(ctx, a, query, *T.raw_kv_dtypes(key, value))
     q_rope, key_rope = Q.rope_pair(ctx, layout, query, a["query_rope"], a["key_rope"], qd)
+    if kind.full and q_rope is not None:
+        raise FiaUnsupportedError(f"{ctx.n('query_rope')}: MLA with full int8 quantization needs the NZ cache "
+                                  "layout, which is not implemented", {"reference": ["MLA full quantization"]})
     paged = a["block_table"] is not None
 
     q_lens_raw = ctx.int_list("actual_seq_lengths", a["actual_seq_lengths"])
@@ -63,8 +62,9 @@ def parse_fused(a: dict, api: str = "npu_fused_infer_attention_score", aliases: 
     if decode_only and not decode:
         raise ctx.err("query", "Q_S = 1 (decode only)", query)
 
-    # ---- KV storage
+    # ---- KV storage (SPEC 8)
     allow_dv = layout.packed or q_rope is not None
+    kv_off = (0,) * (b + 1)
     if paged:
         if kv_lens_raw is None:
             raise ctx.err("actual_seq_lengths_kv", "per-batch KV lengths (required with block_table)", "None")
@@ -72,39 +72,28 @@ def parse_fused(a: dict, api: str = "npu_fused_infer_attention_score", aliases: 
         bs = ctx.integer("block_size", a["block_size"])
         cap = bt.shape[-1] * bs if bt.dim() == 2 and bs > 0 else 2 ** 62
         kv_lens = L.per_batch(ctx, "actual_seq_lengths_kv", kv_lens_raw, b, (cap,) * b)
-        kv_dt = key.dtype if isinstance(key, torch.Tensor) else query.dtype
         kv, dv, kv_s = paged_kv(ctx, layout, qd, b, key, value, key_rope, bt, bs, kv_lens, decode=decode,
-                                kv_dtype=kv_dt)
+                                kv_dtype=T.raw_kv_dtypes(key, value)[0], pack=kind.pack)
         kv_phys = (kv_s,) * b
-        kv_off = (0,) * (b + 1)
     elif is_list:
-        kv, dv, kv_phys = T.list_kv(ctx, layout, qd, key, value, key_rope)
-        kv_off = (0,) * (b + 1)
+        kv, dv, kv_phys = T.list_kv(ctx, layout, qd, key, value, key_rope, pack=kind.pack)
     else:
-        kv, dv, kv_phys = T.dense_kv(ctx, layout, qd, key, value, key_rope, allow_dv_differs=allow_dv)
+        kv, dv, kv_phys = T.dense_kv(ctx, layout, qd, key, value, key_rope, allow_dv_differs=allow_dv,
+                                     pack=kind.pack)
         if layout.packed:
             kv_off = L.cumulative(ctx, "actual_seq_lengths_kv", kv_lens_raw, kv.key.shape[1])
             if len(kv_off) != len(q_off):
                 raise ctx.err("actual_seq_lengths_kv", f"{b} entries like actual_seq_lengths", len(kv_off) - 1)
             kv_phys = tuple(kv_off[i + 1] - kv_off[i] for i in range(b))
-        else:
-            kv_off = (0,) * (b + 1)
-    kd, vd = T.kv_dtypes(ctx, kv)
-    if kd != vd:
-        raise ctx.err("value", f"dtype {dtype_name(kd)} (the key's)", f"dtype {dtype_name(vd)}")
-    if kd != query.dtype:
-        if kd in (torch.int8, torch.int32):
-            raise FiaUnsupportedError(f"{ctx.n('key')}: quantized KV (int8/int4) is not implemented yet",
-                                      {"reference": ["KV dequantization not implemented"]})
-        raise ctx.err("key", f"dtype {dtype_name(query.dtype)} (the query's)", f"dtype {dtype_name(kd)}")
+    kd = T.raw_kv_dtypes(key, value)[0]
     if key_rope is not None:
-        kr = kv.key_rope
-        if key_rope.dtype != kd:
-            raise ctx.err("key_rope", f"dtype {dtype_name(kd)} (the key's)", f"dtype {dtype_name(key_rope.dtype)}")
-        if kr.shape[-1] != q_rope.shape[-1]:
+        rope_dt = torch.float16 if kd == torch.int8 else kd
+        if key_rope.dtype != q_rope.dtype or (kd != torch.int8 and key_rope.dtype != kd):
+            raise ctx.err("key_rope", f"dtype {dtype_name(q_rope.dtype)} (query_rope's, and the key's)",
+                          f"dtype {dtype_name(key_rope.dtype)}")
+        if kv.key_rope.shape[-1] != q_rope.shape[-1]:
             raise ctx.err("key_rope", f"rope head dim {q_rope.shape[-1]} (query_rope's)", key_rope)
-    if ctx.strict and not decode and query.dtype in T.FLOAT_STRICT and qd.D % 16:
-        raise ctx.hw("query", "head dim D % 16 == 0 for float16/bfloat16", f"D = {qd.D}")
+    _check_alignment(ctx, kind, query, qd.D, decode, a)
 
     # ---- lengths and left padding (SPEC 4)
     qpad = Q.padding_size(ctx, "query_padding_size", a["query_padding_size"])
@@ -127,15 +116,17 @@ def parse_fused(a: dict, api: str = "npu_fused_infer_attention_score", aliases: 
 
     # ---- shared prefix (SPEC 7)
     prefix = Q.shared_prefix(ctx, layout, qd, key, a["key_shared_prefix"], a["value_shared_prefix"],
-                             a["actual_shared_prefix_len"], kd)
+                             a["actual_shared_prefix_len"], kd, pack=kind.pack)
     if prefix is not None:
         for bad, what in ((paged, "block_table (paged KV)"), (is_list, "tensor-list key/value"),
-                          (qpad_on or kvpad_on, "left padding"), (q_rope is not None, "MLA rope")):
+                          (qpad_on or kvpad_on, "left padding"), (q_rope is not None, "MLA rope"),
+                          (query.dtype == torch.int8, "an int8 query")):
             if bad:
                 raise ctx.err("key_shared_prefix", f"None with {what}: shared prefix does not combine with it",
                               "a shared prefix")
-        if prefix.value.shape[-1] != dv:
-            raise ctx.err("value_shared_prefix", f"head dim {dv} like value", f"D = {prefix.value.shape[-1]}")
+        if prefix.value.shape[-1] * kind.pack != dv:
+            raise ctx.err("value_shared_prefix", f"head dim {dv // kind.pack} like value",
+                          f"D = {prefix.value.shape[-1]}")
     p_len = 0 if prefix is None else prefix.length
 
     geometry = []
@@ -162,11 +153,53 @@ def parse_fused(a: dict, api: str = "npu_fused_infer_attention_score", aliases: 
     if not isinstance(lse_flag, (bool, int)) or lse_flag not in (0, 1):
         raise ctx.err("softmax_lse_flag", "a bool", lse_flag)
 
+    # ---- quantization (SPEC 10-12)
+    antiquant = full = qdq = None
+    if kind.kv is not None:
+        ext = QT.KVExtent(b, qd.KV_N, qd.D, dv, max(kv_phys, default=0),
+                          (kv.key.shape[0], kv.block_size) if paged else None)
+        antiquant = QT.antiquant(ctx, a, kind, q_rope.dtype if kind.query_dequant and q_rope is not None
+                                 else (torch.float16 if query.dtype == torch.int8 else query.dtype), ext,
+                                 decode=decode, q_s=q_s, is_list=is_list, left_padded=qpad_on or kvpad_on,
+                                 paged=paged, has_prefix=prefix is not None)
+    if kind.full:
+        full = QT.full_quant(ctx, a, decode=decode)
+        if paged:
+            raise ctx.err("block_table", "None with an int8 query (paged KV is not available for full "
+                          "quantization)", a["block_table"])
+    if kind.query_dequant:
+        qdq = QT.query_dequant(ctx, a, b, qd.N, qd.S if not layout.packed else q_s)
+    out_q = QT.output_quant(ctx, a, q_dtype=query.dtype, n=qd.N, dv=dv, out_layout=layout.out,
+                            int4=kind.kv == "int4", left_padded=qpad_on or kvpad_on, mask=mask, geometry=geometry)
+    if out_q is not None:
+        out_dtype = torch.int8
+    elif query.dtype == torch.int8:
+        out_dtype = q_rope.dtype if q_rope is not None else torch.float16
+    else:
+        out_dtype = query.dtype
+
     compute = torch.float64 if query.dtype == torch.float64 else torch.float32
-    kv_s = max(kv_phys, default=0)
     return AttentionProblem(
-        api=api, layout=layout, B=b, N=qd.N, KV_N=qd.KV_N, Q_S=q_s, KV_S=kv_s, D=qd.D, Dv=dv,
-        T=qd.S if layout.packed else 0, dtype=query.dtype, out_dtype=query.dtype, compute_dtype=compute,
+        api=api, layout=layout, B=b, N=qd.N, KV_N=qd.KV_N, Q_S=q_s, KV_S=max(kv_phys, default=0), D=qd.D, Dv=dv,
+        T=qd.S if layout.packed else 0, dtype=query.dtype, out_dtype=out_dtype, compute_dtype=compute,
         query=T.to_canonical(query, layout.inp, qd.N), kv=kv, geometry=tuple(geometry), mask=mask, pse=pse,
         scale=scale, row_invalid_fix=bool(ip & 2), high_precision=not (ip & 1), want_lse=bool(lse_flag),
-        is_decode=decode, strict=ctx.strict, query_rope=q_rope, prefix=prefix)
+        is_decode=decode, strict=ctx.strict, query_rope=q_rope, prefix=prefix, antiquant=antiquant,
+        full_quant=full, query_dequant=qdq, out_quant=out_q)
+
+
+def _check_alignment(ctx: Ctx, kind, query: torch.Tensor, d: int, decode: bool, a: dict) -> None:
+    """D alignment (hardware): 64 with int4, 32 with int8 anywhere (prefill), 16 for float16/bfloat16 prefill."""
+    if not ctx.strict:
+        return
+    if kind.kv == "int4":
+        if d % 64:
+            raise ctx.hw("key", "head dim D % 64 == 0 with int4 key/value", f"D = {d}")
+        return
+    if decode:
+        return
+    int8 = query.dtype == torch.int8 or kind.kv == "int8" or a.get("quant_scale2") is not None
+    if int8 and d % 32:
+        raise ctx.hw("query", "head dim D % 32 == 0 when int8 is involved (Q_S > 1)", f"D = {d}")
+    if d % 16:
+        raise ctx.hw("query", "head dim D % 16 == 0 for Q_S > 1", f"D = {d}")

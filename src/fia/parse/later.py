@@ -9,27 +9,7 @@ from ..errors import FiaUnsupportedError
 
 # argument -> feature it belongs to
 _LATER = {
-    "block_table": "paged KV cache",
-    "query_padding_size": "query left padding",
-    "kv_padding_size": "KV left padding",
-    "key_shared_prefix": "shared prefix",
-    "value_shared_prefix": "shared prefix",
-    "actual_shared_prefix_len": "shared prefix",
-    "query_rope": "MLA rope",
-    "key_rope": "MLA rope",
-    "key_rope_antiquant_scale": "MLA rope dequantization",
-    "dequant_scale1": "full int8 quantization",
-    "quant_scale1": "full int8 quantization",
-    "dequant_scale2": "full int8 quantization",
-    "quant_scale2": "output quantization",
-    "quant_offset2": "output quantization",
-    "antiquant_scale": "KV dequantization",
-    "antiquant_offset": "KV dequantization",
-    "key_antiquant_scale": "KV dequantization",
-    "key_antiquant_offset": "KV dequantization",
-    "value_antiquant_scale": "KV dequantization",
-    "value_antiquant_offset": "KV dequantization",
-    "dequant_scale_query": "query dequantization",
+    "key_rope_antiquant_scale": "MLA rope dequantization (NZ / int8 rope caches)",
 }
 
 

@@ -41,7 +41,7 @@ def _cache(ctx: Ctx, name: str, t: torch.Tensor, layout: Layout, kv_n: int, dim:
 
 
 def paged_kv(ctx: Ctx, layout: Layout, qd: QueryDims, b: int, key, value, key_rope, block_table, block_size,
-             kv_lens: Tuple[int, ...], *, decode: bool, kv_dtype: torch.dtype):
+             kv_lens: Tuple[int, ...], *, decode: bool, kv_dtype: torch.dtype, pack: int = 1):
     """Validate the paged cache; return (PagedKV, Dv, max_blocks * block_size)."""
     if isinstance(key, tuple) or isinstance(value, tuple):
         raise ctx.err("block_table", "None with tensor-list key/value (paged KV does not take tensor lists)",
@@ -63,7 +63,7 @@ def paged_kv(ctx: Ctx, layout: Layout, qd: QueryDims, b: int, key, value, key_ro
         if bs % align:
             raise ctx.hw("block_size", f"a multiple of {align}" + (" for decode with " + dtype_name(kv_dtype)
                                                                   + " KV" if decode else " for Q_S > 1"), bs)
-    kc = _cache(ctx, "key", key, layout, qd.KV_N, qd.D)
+    kc = _cache(ctx, "key", key, layout, qd.KV_N, qd.D // pack)
     vc = _cache(ctx, "value", value, layout, qd.KV_N, None)
     if vc.shape[0] != kc.shape[0] or vc.shape[2] != kc.shape[2] or key.dim() != value.dim():
         raise ctx.err("value", f"a cache shaped like key {tuple(key.shape)} (except D)", value)
@@ -88,4 +88,4 @@ def paged_kv(ctx: Ctx, layout: Layout, qd: QueryDims, b: int, key, value, key_ro
         raise ctx.err("block_table", f"block ids in [0, {nb}) for every used entry (blocknum = {nb})",
                       f"{int(host[i, j])} at [{i}, {j}]", "FIA range-checks block ids instead of reading out of bounds")
     table = tuple(tuple(r) for r in host.tolist())
-    return PagedKV(kc, vc, bt, bs, table, krc), vc.shape[3], mb * bs
+    return PagedKV(kc, vc, bt, bs, table, krc), vc.shape[3] * pack, mb * bs

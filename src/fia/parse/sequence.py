@@ -32,7 +32,8 @@ def left_window(total: int, pad: int, act: int):
     return None if lo < 0 else (lo, total - pad)
 
 
-def shared_prefix(ctx: Ctx, layout: Layout, qd: QueryDims, key, kp, vp, plen_raw, kv_dtype) -> Optional[SharedPrefix]:
+def shared_prefix(ctx: Ctx, layout: Layout, qd: QueryDims, key, kp, vp, plen_raw, kv_dtype,
+                  pack: int = 1) -> Optional[SharedPrefix]:
     if kp is None and vp is None:
         if plen_raw is not None:
             raise ctx.err("actual_shared_prefix_len", "None without key_shared_prefix/value_shared_prefix",
@@ -51,8 +52,8 @@ def shared_prefix(ctx: Ctx, layout: Layout, qd: QueryDims, key, kp, vp, plen_raw
         if t.dtype != kv_dtype:
             raise ctx.err(name, f"dtype {dtype_name(kv_dtype)} (the key's)", f"dtype {dtype_name(t.dtype)}")
     _, d = heads_and_dim(ctx, layout, kp, qd.KV_N, "key_shared_prefix", "num_key_value_heads")
-    if d != qd.D:
-        raise ctx.err("key_shared_prefix", f"head dim D = {qd.D} like key", kp)
+    if d * pack != qd.D:
+        raise ctx.err("key_shared_prefix", f"head dim D = {qd.D // pack} like key", kp)
     kc = to_canonical(kp, layout.inp, qd.KV_N)[0]          # [KV_N, P_S, D]
     vc = to_canonical(vp, layout.inp, qd.KV_N)[0]          # [KV_N, P_S, Dv]
     if vp.shape != kp.shape and vc.shape[:2] != kc.shape[:2]:

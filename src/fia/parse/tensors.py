@@ -110,17 +110,21 @@ def _value_dim(ctx: Ctx, layout: Layout, value: torch.Tensor, kv_n: int, name: s
 
 
 def dense_kv(ctx: Ctx, layout: Layout, qd: QueryDims, key: torch.Tensor, value: torch.Tensor,
-             key_rope: Optional[torch.Tensor], *, allow_dv_differs: bool):
-    """Dense / packed KV. Returns (storage, Dv, per-batch physical KV lengths or None for packed)."""
+             key_rope: Optional[torch.Tensor], *, allow_dv_differs: bool, pack: int = 1):
+    """Dense / packed KV. Returns (storage, real Dv, per-batch physical KV lengths or None for packed).
+
+    pack: 8 for int4 packed in int32 (stored last dim = real / 8)."""
     kv_n, d = qd.KV_N, qd.D
     for name, t in (("key", key), ("value", value)):
         if t.dim() != layout.rank:
             raise ctx.err(name, f"a {layout.rank}-D tensor for input_layout {layout.name}", t)
     _, kd = heads_and_dim(ctx, layout, key, kv_n, "key", "num_key_value_heads")
-    if kd != d:
-        raise ctx.err("key", f"head dim D = {d} (the query's)", f"D = {kd} ({tuple(key.shape)})")
-    vd = _value_dim(ctx, layout, value, kv_n)
-    if key.shape[:-1] != value.shape[:-1] or (vd != d and not allow_dv_differs):
+    if kd * pack != d:
+        raise ctx.err("key", f"head dim D = {d // pack} (the query's D = {d}" + (" / 8 for int4)" if pack > 1 else ")"),
+                      f"D = {kd} ({tuple(key.shape)})")
+    vd = _value_dim(ctx, layout, value, kv_n) * pack
+    if key.shape[:-1] != value.shape[:-1] or (vd != d and not allow_dv_differs) \
+            or (layout.inp == "BSH" and value.shape[2] % kv_n):
         raise ctx.err("value", f"the shape of key {tuple(key.shape)}", value)
     krc = None
     if key_rope is not None:
@@ -135,7 +139,7 @@ def dense_kv(ctx: Ctx, layout: Layout, qd: QueryDims, key: torch.Tensor, value: 
     return DenseKV(kc, vc, krc), vd, (key.shape[seq_dim(layout.inp)],) * qd.B
 
 
-def list_kv(ctx: Ctx, layout: Layout, qd: QueryDims, keys: tuple, values: tuple, key_rope):
+def list_kv(ctx: Ctx, layout: Layout, qd: QueryDims, keys: tuple, values: tuple, key_rope, pack: int = 1):
     """Tensor-list KV: B tensors with batch 1 and individual S. Returns (storage, Dv, per-batch lengths)."""
     if layout.packed:
         raise ctx.err("key", "a tensor (tensor-list KV is not available with TND layouts)", keys)
@@ -158,14 +162,14 @@ def list_kv(ctx: Ctx, layout: Layout, qd: QueryDims, keys: tuple, values: tuple,
             raise ctx.err("key" if k.dtype != keys[0].dtype else "value",
                           "the same dtype in every list element", f"element {i}: {k.dtype}/{v.dtype}")
         _, kd = heads_and_dim(ctx, layout, k, qd.KV_N, "key", "num_key_value_heads")
-        if kd != qd.D:
-            raise ctx.err("key", f"head dim D = {qd.D} in every list element", f"element {i}: D = {kd}")
+        if kd * pack != qd.D:
+            raise ctx.err("key", f"head dim D = {qd.D // pack} in every list element", f"element {i}: D = {kd}")
         if k.shape != v.shape:
             raise ctx.err("value", f"element {i} shaped like key {tuple(k.shape)}", v)
         ks.append(to_canonical(k, layout.inp, qd.KV_N)[0])
         vs.append(to_canonical(v, layout.inp, qd.KV_N)[0])
         lens.append(k.shape[sd])
-    return ListKV(tuple(ks), tuple(vs)), vs[0].shape[-1], tuple(lens)
+    return ListKV(tuple(ks), tuple(vs)), vs[0].shape[-1] * pack, tuple(lens)
 
 
 def split_list(layout: Layout, query: torch.Tensor, key, value):
@@ -183,7 +187,8 @@ def same_kind(ctx: Ctx, key, value) -> None:
                       "a list" if isinstance(value, tuple) else "a tensor")
 
 
-def kv_dtypes(ctx: Ctx, kv) -> Tuple[torch.dtype, torch.dtype]:
-    if hasattr(kv, "keys"):
-        return kv.keys[0].dtype, kv.values[0].dtype
-    return kv.key.dtype, kv.value.dtype
+def raw_kv_dtypes(key, value) -> Tuple[torch.dtype, torch.dtype]:
+    """dtypes of key/value as passed (tensor or list of tensors)."""
+    k = key[0] if isinstance(key, tuple) else key
+    v = value[0] if isinstance(value, tuple) else value
+    return k.dtype, v.dtype

@@ -14,6 +14,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from .layout import Layout
+from .quant import AntiQuant, FullQuant, OutputQuant, QueryDequant
 
 MASK_FILL = -1e12          # SPEC 3: masked scores take a finite fill, so fully masked rows stay finite
 PRE_NEXT_CLAMP = 214748647  # SPEC 5: larger pre/next tokens are clamped to this
@@ -197,6 +198,10 @@ class AttentionProblem:
     strict: bool
     query_rope: Optional[torch.Tensor] = None   # like query with D -> Dr
     prefix: Optional[SharedPrefix] = None
+    antiquant: Optional[AntiQuant] = None       # int8/int4 K/V with a float query (SPEC 10)
+    full_quant: Optional[FullQuant] = None      # int8 Q, K, V (SPEC 11)
+    query_dequant: Optional[QueryDequant] = None  # int8 query, query_quant_mode 3 (SPEC 11)
+    out_quant: Optional[OutputQuant] = None     # int8 output (SPEC 12)
 
     @property
     def G(self) -> int:

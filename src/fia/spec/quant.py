@@ -1,0 +1,120 @@
+"""Quantization specs and their formulas (SPEC 10-12).
+
+KV dequantization ("antiquant"): x = (x_q + offset) * scale, per key and per value, with one of the
+granularities below. Normalized parameter shapes (float tensors, device of the cache):
+  tensor            [1]                 one value for the whole tensor
+  channel           [KV_N, D]           per head and channel
+  head              [KV_N]              per head
+  token             [Bs, S]             per physical KV position (Bs in {1, B}); paged: logical position
+  token_head        [Bs, KV_N, S]       per position and head
+  block_token       [NB, bs]            per token, stored by paged block
+  block_token_head  [NB, KV_N, bs]      per token and head, stored by paged block
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+TOKEN_GRANULARITIES = ("token", "token_head", "block_token", "block_token_head")
+
+
+def unpack_int4(x: torch.Tensor) -> torch.Tensor:
+    """int32 [..., D/8] holding eight signed 4-bit values each (low nibble first) -> int8 [..., D] (SPEC 10.4)."""
+    shifts = torch.arange(0, 32, 4, device=x.device, dtype=torch.int32)   # [8]
+    nib = (x.unsqueeze(-1) >> shifts) & 0xF                                # [..., D/8, 8]
+    nib = nib - (nib >= 8).to(nib.dtype) * 16                              # two's complement
+    return nib.reshape(*x.shape[:-1], x.shape[-1] * 8).to(torch.int8)
+
+
+def round_half_even_saturate_int8(y: torch.Tensor) -> torch.Tensor:
+    """saturate_int8(round_half_even(y)) (torch.round rounds half to even)."""
+    return torch.round(y).clamp_(-128, 127).to(torch.int8)
+
+
+@dataclass(frozen=True)
+class KVDequant:
+    granularity: str
+    scale: torch.Tensor
+    offset: Optional[torch.Tensor] = None
+
+    def factors(self, b: int, lo: int, hi: int, table=None, block_size: int = 0):
+        """(scale, offset) broadcastable to [KV_N, hi - lo, D] for own keys [lo, hi) of batch b."""
+        def pick(t: Optional[torch.Tensor]):
+            if t is None:
+                return None
+            g = self.granularity
+            if g == "tensor":
+                return t.view(1, 1, 1)
+            if g == "channel":
+                return t[:, None, :]                                   # [KV_N, 1, D]
+            if g == "head":
+                return t[:, None, None]                                # [KV_N, 1, 1]
+            bi = b if t.shape[0] > 1 else 0
+            if g == "token":
+                return t[bi, lo:hi][None, :, None]                     # [1, n, 1]
+            if g == "token_head":
+                return t[bi, :, lo:hi][:, :, None]                     # [KV_N, n, 1]
+            pos = torch.arange(lo, hi)
+            blk = torch.tensor([table[b][p // block_size] for p in range(lo, hi)], dtype=torch.long,
+                               device=t.device)
+            slot = (pos % block_size).to(t.device)
+            if g == "block_token":
+                return t[blk, slot][None, :, None]                     # [1, n, 1]
+            if g == "block_token_head":
+                return t[blk, :, slot].transpose(0, 1)[:, :, None]     # [KV_N, n, 1]
+            raise AssertionError(g)
+        return pick(self.scale), pick(self.offset)
+
+    def apply(self, x: torch.Tensor, dtype, b: int, lo: int, hi: int, table=None, block_size: int = 0):
+        """Dequantize x [KV_N, n, D] (int8) holding own keys [lo, hi) of batch b."""
+        s, o = self.factors(b, lo, hi, table, block_size)
+        x = x.to(dtype)
+        if o is not None:
+            x = x + o.to(dtype)
+        return x * s.to(dtype)
+
+    @property
+    def per_token(self) -> bool:
+        return self.granularity in TOKEN_GRANULARITIES
+
+
+@dataclass(frozen=True)
+class AntiQuant:
+    """int8 / int4 K and V with a float query (SPEC 10)."""
+    key: KVDequant
+    value: KVDequant
+    int4: bool = False
+
+
+@dataclass(frozen=True)
+class FullQuant:
+    """int8 Q, K, V (SPEC 11): per-tensor scales as host floats."""
+    dequant_scale1: float
+    quant_scale1: float
+    dequant_scale2: float
+
+
+@dataclass(frozen=True)
+class QueryDequant:
+    """int8 query with query_quant_mode 3: Q = Q_q * scale, scale [B, N, Q_S] float32 (per token and head)."""
+    scale: torch.Tensor
+
+
+@dataclass(frozen=True)
+class OutputQuant:
+    """int8 output: y8 = saturate(round_half_even(y * scale + offset)); scale/offset [1] or [N, Dv] (SPEC 12)."""
+    scale: torch.Tensor
+    offset: Optional[torch.Tensor] = None
+
+    def apply(self, out: torch.Tensor, packed: bool) -> torch.Tensor:
+        """out: canonical float [B, N, Q_S, Dv] (packed [N, T, Dv]) -> int8, same shape."""
+        s, o = self.scale.to(torch.float32), None if self.offset is None else self.offset.to(torch.float32)
+        if s.dim() == 2:                                  # per channel [N, Dv]
+            s = s[:, None, :] if packed else s[None, :, None, :]
+            o = None if o is None else (o[:, None, :] if packed else o[None, :, None, :])
+        y = out.to(torch.float32) * s
+        if o is not None:
+            y = y + o
+        return round_half_even_saturate_int8(y)
