@@ -230,3 +230,15 @@ def test_tnd_length_forms(form):
             "torch32": lambda x: torch.tensor(x, dtype=torch.int32),
             "torch64": lambda x: torch.tensor(x, dtype=torch.int64)}[form]
     _tnd_case(17, "TND", [3, 5], [4, 9], 2, 2, 128, 128, BF16, lens_form=conv)
+
+
+@pytest.mark.parametrize("dt", ["fp16", "bf16"])
+@pytest.mark.parametrize("sq", [1, 64], ids=lambda x: f"qs{x}")
+def test_largest_shape_d128_g8(sq, dt):
+    """The upper end of the test shapes: D=128, G=8 (MQA), S=64, lengths, causal template for prefill."""
+    b, n, kvn, skv, d = 3, 8, 1, 64, 128
+    q, k, v = qkv(seed_of("big", sq, dt), b, n, kvn, sq, skv, d, DT[dt])
+    kw = dict(act_kv=[64, 40, 7])
+    if sq > 1:
+        kw.update(act_q=[64, 33, 20], atten_mask=template_mask(), sparse_mode=3)
+    check_dense(q, k, v, layout="BSH", **kw)

@@ -2,7 +2,8 @@
 
 `import fia as torch_npu` runs torch_npu attention code unchanged.
 """
-from .api import npu_fused_infer_attention_score, npu_incre_flash_attention, npu_prompt_flash_attention
+from .api import (npu_attention_update, npu_fused_infer_attention_score, npu_fused_infer_attention_score_v2,
+                  npu_incre_flash_attention, npu_prompt_flash_attention)
 from .config import (get_backend, get_validation_mode, set_backend, set_validation_mode, use_backend,
                      validation_mode)
 from .errors import FiaError, FiaInputError, FiaRuntimeError, FiaUnsupportedError
@@ -11,6 +12,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "npu_fused_infer_attention_score", "npu_incre_flash_attention", "npu_prompt_flash_attention",
+    "npu_fused_infer_attention_score_v2", "npu_attention_update",
     "FiaError", "FiaInputError", "FiaUnsupportedError", "FiaRuntimeError",
     "get_validation_mode", "set_validation_mode", "validation_mode",
     "get_backend", "set_backend", "use_backend",

@@ -12,7 +12,8 @@ from . import parse
 from .backends import registry
 from .finalize import finalize
 
-__all__ = ["npu_fused_infer_attention_score", "npu_incre_flash_attention", "npu_prompt_flash_attention"]
+__all__ = ["npu_fused_infer_attention_score", "npu_incre_flash_attention", "npu_prompt_flash_attention",
+           "npu_fused_infer_attention_score_v2", "npu_attention_update"]
 
 _INT_MAX = 2147483647
 
@@ -71,3 +72,37 @@ def npu_prompt_flash_attention(query, key, value, *, padding_mask=None, atten_ma
     problem = parse.parse_prompt(args)
     out, _ = _run(problem)
     return out
+
+
+def npu_fused_infer_attention_score_v2(query, key, value, *, query_rope=None, key_rope=None, pse_shift=None,
+                                       atten_mask=None, actual_seq_qlen=None, actual_seq_kvlen=None,
+                                       block_table=None, dequant_scale_query=None, dequant_scale_key=None,
+                                       dequant_offset_key=None, dequant_scale_value=None, dequant_offset_value=None,
+                                       dequant_scale_key_rope=None, quant_scale_out=None, quant_offset_out=None,
+                                       learnable_sink=None, num_query_heads=1, num_key_value_heads=0,
+                                       softmax_scale=1.0, pre_tokens=_INT_MAX, next_tokens=_INT_MAX,
+                                       input_layout="BSH", sparse_mode=0, block_size=0, query_quant_mode=0,
+                                       key_quant_mode=0, value_quant_mode=0, inner_precise=0,
+                                       return_softmax_lse=False, query_dtype=None, key_dtype=None, value_dtype=None,
+                                       query_rope_dtype=None, key_rope_dtype=None, key_shared_prefix_dtype=None,
+                                       value_shared_prefix_dtype=None, dequant_scale_query_dtype=None,
+                                       dequant_scale_key_dtype=None, dequant_scale_value_dtype=None,
+                                       dequant_scale_key_rope_dtype=None, **unknown):
+    """FusedInferAttentionScoreV4 under its newer names (SPEC 1.1b). Returns (attention_out, softmax_lse);
+    with return_softmax_lse=False the second output is a (1,) float32 zero tensor."""
+    args = dict(locals())
+    args.pop("unknown")
+    problem = parse.parse_v2(args, unknown)
+    out, lse = _run(problem)
+    if not problem.want_lse:
+        lse = torch.zeros(1, dtype=torch.float32, device=out.device)
+    return out, lse
+
+
+def npu_attention_update(lse, local_out, update_type=0):
+    """Merge partial attention results of the same rows over disjoint key sets (SPEC 1.1b).
+
+    lse: list of K float32 [R]; local_out: list of K [R, D]. Returns (out [R, D] in local_out's dtype,
+    lse_out [R] float32 when update_type == 1 else None)."""
+    from .merge import attention_update
+    return attention_update(lse, local_out, update_type)

@@ -91,8 +91,11 @@ def batch_keys(p: AttentionProblem, b: int, g: BatchGeometry, dtype):
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bias: Optional[torch.Tensor],
-           masked: Optional[torch.Tensor]):
-    """One batch of SPEC 3. q [N, S1, D], k [KV_N, S2, D], v [KV_N, S2, Dv] -> out [N, S1, Dv], lse [N, S1]."""
+           masked: Optional[torch.Tensor], sink: Optional[torch.Tensor] = None):
+    """One batch of SPEC 3. q [N, S1, D], k [KV_N, S2, D], v [KV_N, S2, Dv] -> out [N, S1, Dv], lse [N, S1].
+
+    sink [N]: one extra score column per row that no mask hides and that carries no value (SPEC 1.1b).
+    """
     n, s1, d = q.shape
     kv_n, s2, dv = v.shape
     g = n // kv_n
@@ -103,8 +106,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bias
     if masked is not None:
         s = s.masked_fill(masked, MASK_FILL)
     m = s.amax(dim=-1, keepdim=True)                                  # [N, S1, 1]
+    if sink is not None:
+        sk = sink.to(s.dtype)[:, None, None]                          # [N, 1, 1]
+        m = torch.maximum(m, sk)
     e = torch.exp(s - m)
     den = e.sum(dim=-1, keepdim=True)
+    if sink is not None:
+        den = den + torch.exp(sk - m)
     pr = (e / den).reshape(kv_n, g * s1, s2)                          # [KV_N, G*S1, S2]
     out = torch.bmm(pr, v).reshape(n, s1, dv)                         # [N, S1, Dv]
     lse = (m + torch.log(den)).squeeze(-1)                            # [N, S1]
@@ -161,12 +169,14 @@ class ReferenceBackend(Backend):
             if p.full_quant is not None:
                 o, l = attend_int8(q, k, v, p.full_quant, p.scale, bias, masked)
             else:
-                o, l = attend(q, k, v, p.scale, bias, masked)
+                o, l = attend(q, k, v, p.scale, bias, masked, p.sink)
             dead = torch.zeros(g.s1, dtype=torch.bool, device=dev)
             if band is not None:
                 dead |= band.all(dim=-1)       # the geometry leaves the row no key: 0 / +inf always
-            if p.row_invalid_fix and masked is not None:
-                dead |= masked.all(dim=-1)     # row-invalid correction (inner_precise bit 1)
+            if p.row_invalid_fix and masked is not None and p.sink is None:
+                # row-invalid correction (inner_precise bit 1); with a sink such rows put all their
+                # weight on the sink instead: output 0, lse = sink (SPEC 1.1b)
+                dead |= masked.all(dim=-1)
             if bool(dead.any()):
                 o[:, dead] = 0
                 l[:, dead] = float("inf")

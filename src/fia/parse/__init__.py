@@ -1,5 +1,5 @@
 """The only code that knows Ascend argument names and quirks: raw arguments -> AttentionProblem."""
 from .core import parse_fused
-from .entries import parse_incre, parse_prompt
+from .entries import parse_incre, parse_prompt, parse_v2
 
-__all__ = ["parse_fused", "parse_incre", "parse_prompt"]
+__all__ = ["parse_fused", "parse_incre", "parse_prompt", "parse_v2"]

@@ -29,6 +29,8 @@ def parse_fused(a: dict, api: str = "npu_fused_infer_attention_score", aliases: 
     key = T.kv_arg(ctx, "key", a["key"])
     value = T.kv_arg(ctx, "value", a["value"])
     layout = T.parse_layout(ctx, a["input_layout"])
+    if decode_only and layout.name not in ("BSH", "BSND", "BNSD"):
+        raise ctx.err("input_layout", "BSH, BSND or BNSD for npu_incre_flash_attention", layout.name)
     T.query_dtype(ctx, query)
     reject_unimplemented(ctx, a)
     qd = T.query_dims(ctx, layout, query, a["num_heads"], a["num_key_value_heads"])
@@ -61,6 +63,7 @@ def parse_fused(a: dict, api: str = "npu_fused_infer_attention_score", aliases: 
         q_rows = [q_s] * b
     if decode_only and not decode:
         raise ctx.err("query", "Q_S = 1 (decode only)", query)
+    _check_layout_use(ctx, layout, decode, q_s, query, a)
 
     # ---- KV storage (SPEC 8)
     allow_dv = layout.packed or q_rope is not None
@@ -143,11 +146,17 @@ def parse_fused(a: dict, api: str = "npu_fused_infer_attention_score", aliases: 
     ip = M.inner_precise(ctx, a["inner_precise"], decode)
     mode = M.sparse_mode(ctx, a["sparse_mode"])
     pre, nxt = M.pre_next(ctx, a["pre_tokens"], a["next_tokens"])
+    if layout.packed and mode == 3 and ctx.strict and not decode:
+        for i, g in enumerate(geometry):   # the documents say act_q < act_kv; SPEC 15.11 allows ==
+            if g.s1 > g.s2:
+                raise ctx.hw("actual_seq_lengths", "per-batch query length <= KV length for TND with "
+                             f"sparse_mode 3", f"batch {i}: {g.s1} > {g.s2}")
     mask = M.build_mask(ctx, a["atten_mask"], mode, pre, nxt, ignore_sparse=decode and q_rope is None,
                         decode_shapes=decode, packed=layout.packed, left_padded=qpad_on or kvpad_on,
                         row_fix=bool(ip & 2), b=b, q_s=q_s, kv_s=kv_ext)
     pse = M.pse_shift(ctx, a["pse_shift"], q_dtype=query.dtype, decode=decode, packed=layout.packed, b=b,
                       n=qd.N, d=qd.D, q_s=q_s, kv_s=kv_ext)
+    sink = M.learnable_sink(ctx, a.get("learnable_sink"), query.dtype, qd.N)
     scale = ctx.number("scale", a["scale"])
     lse_flag = a["softmax_lse_flag"]
     if not isinstance(lse_flag, (bool, int)) or lse_flag not in (0, 1):
@@ -185,7 +194,20 @@ def parse_fused(a: dict, api: str = "npu_fused_infer_attention_score", aliases: 
         query=T.to_canonical(query, layout.inp, qd.N), kv=kv, geometry=tuple(geometry), mask=mask, pse=pse,
         scale=scale, row_invalid_fix=bool(ip & 2), high_precision=not (ip & 1), want_lse=bool(lse_flag),
         is_decode=decode, strict=ctx.strict, query_rope=q_rope, prefix=prefix, antiquant=antiquant,
-        full_quant=full, query_dequant=qdq, out_quant=out_q)
+        full_quant=full, query_dequant=qdq, out_quant=out_q, sink=sink)
+
+
+def _check_layout_use(ctx: Ctx, layout, decode: bool, q_s: int, query: torch.Tensor, a: dict) -> None:
+    """Which layouts the documents allow where (inputLayout table of FusedInferAttentionScoreV4)."""
+    if not ctx.strict:
+        return
+    if layout.name == "BNSD_BSND" and decode:
+        raise ctx.hw("input_layout", "BNSD_BSND only for Q_S > 1", f"{layout.name} with Q_S = 1")
+    if layout.out == "NBSD" and q_s > 16:
+        raise ctx.hw("input_layout", f"{layout.name} only for 1 <= Q_S <= 16", f"Q_S = {q_s}")
+    if layout.packed and a["query_rope"] is None and query.dtype != torch.bfloat16 and not \
+            (query.dtype == torch.float16 and a["block_table"] is not None):
+        raise ctx.hw("query", f"dtype bfloat16 for {layout.name} without rope", f"dtype {dtype_name(query.dtype)}")
 
 
 def _check_alignment(ctx: Ctx, kind, query: torch.Tensor, d: int, decode: bool, a: dict) -> None:

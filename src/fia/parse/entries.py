@@ -49,3 +49,45 @@ def parse_prompt(a: dict):
              inner_precise=inner)
     aliases = {"dequant_scale1": "deq_scale1", "dequant_scale2": "deq_scale2", "scale": "scale_value"}
     return parse_fused(f, "npu_prompt_flash_attention", aliases)
+
+
+# npu_fused_infer_attention_score_v2 keyword -> the fused (v1) keyword it maps onto (SPEC 1.1b)
+V2_MAP = {
+    "query_rope": "query_rope", "key_rope": "key_rope", "pse_shift": "pse_shift", "atten_mask": "atten_mask",
+    "actual_seq_qlen": "actual_seq_lengths", "actual_seq_kvlen": "actual_seq_lengths_kv",
+    "block_table": "block_table", "dequant_scale_query": "dequant_scale_query",
+    "dequant_scale_key": "key_antiquant_scale", "dequant_offset_key": "key_antiquant_offset",
+    "dequant_scale_value": "value_antiquant_scale", "dequant_offset_value": "value_antiquant_offset",
+    "quant_scale_out": "quant_scale2", "quant_offset_out": "quant_offset2",
+    "num_query_heads": "num_heads", "num_key_value_heads": "num_key_value_heads", "softmax_scale": "scale",
+    "pre_tokens": "pre_tokens", "next_tokens": "next_tokens", "input_layout": "input_layout",
+    "sparse_mode": "sparse_mode", "block_size": "block_size", "query_quant_mode": "query_quant_mode",
+    "key_quant_mode": "key_antiquant_mode", "value_quant_mode": "value_antiquant_mode",
+    "inner_precise": "inner_precise", "return_softmax_lse": "softmax_lse_flag",
+}
+# reserved: None (their default) accepted, anything else is an input error
+V2_RESERVED = ("query_dtype", "key_dtype", "value_dtype", "query_rope_dtype", "key_rope_dtype",
+               "key_shared_prefix_dtype", "value_shared_prefix_dtype", "dequant_scale_query_dtype",
+               "dequant_scale_key_dtype", "dequant_scale_value_dtype", "dequant_scale_key_rope_dtype",
+               "dequant_scale_key_rope")
+
+
+def parse_v2(a: dict, extra: dict):
+    """npu_fused_infer_attention_score_v2: the same operator under new names. `extra`: unknown keywords."""
+    from ..errors import input_error
+    for name in extra:
+        if name in FUSED_DEFAULTS:
+            raise input_error(name, "an argument of npu_fused_infer_attention_score_v2 (it is only reachable "
+                              "through npu_fused_infer_attention_score)", "a value",
+                              "call npu_fused_infer_attention_score for this feature")
+        raise input_error(name, "a keyword of npu_fused_infer_attention_score_v2", "an unknown keyword")
+    for name in V2_RESERVED:
+        if a.get(name) is not None:
+            raise input_error(name, "None (reserved argument)", repr(a[name]) if not hasattr(a[name], "shape")
+                              else f"tensor of shape {tuple(a[name].shape)}")
+    f = dict(FUSED_DEFAULTS)
+    f.update(query=a["query"], key=a["key"], value=a["value"], learnable_sink=a["learnable_sink"])
+    for v2, v1 in V2_MAP.items():
+        f[v1] = a[v2]
+    aliases = {v1: v2 for v2, v1 in V2_MAP.items()}
+    return parse_fused(f, "npu_fused_infer_attention_score_v2", aliases)

@@ -167,3 +167,16 @@ def inner_precise(ctx: Ctx, v, decode: bool) -> int:
         raise ctx.err("inner_precise", " or ".join(map(str, allowed)) + (" for decode (Q_S = 1)" if decode else ""),
                       v)
     return v
+
+
+def learnable_sink(ctx: Ctx, t, q_dtype: torch.dtype, n: int) -> Optional[torch.Tensor]:
+    """learnable_sink: one float per query head, (Q_N,), float32 or the query dtype (SPEC 1.1b)."""
+    t = ctx.tensor("learnable_sink", t)
+    if t is None:
+        return None
+    if t.dtype not in (torch.float32, q_dtype) or not t.is_floating_point():
+        raise ctx.err("learnable_sink", f"dtype float32 or {str(q_dtype).replace('torch.', '')}",
+                      f"dtype {str(t.dtype).replace('torch.', '')}")
+    if tuple(t.shape) != (n,):
+        raise ctx.err("learnable_sink", f"shape (Q_N,) = ({n},)", t)
+    return t

@@ -202,6 +202,7 @@ class AttentionProblem:
     full_quant: Optional[FullQuant] = None      # int8 Q, K, V (SPEC 11)
     query_dequant: Optional[QueryDequant] = None  # int8 query, query_quant_mode 3 (SPEC 11)
     out_quant: Optional[OutputQuant] = None     # int8 output (SPEC 12)
+    sink: Optional[torch.Tensor] = None         # learnable_sink [N] float (SPEC 1.1b)
 
     @property
     def G(self) -> int:

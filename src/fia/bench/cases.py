@@ -1,0 +1,202 @@
+"""The case table and the input builders.
+
+Every case is BNSD. Decode: Q_S = 1, no mask; the K/V cache is dense, paged (block 128, a shuffled block
+table over a shared pool), or int8 with per-channel (mode 0) or per-token (mode 1) antiquant scales.
+Prefill: Q_S = KV_S = S, one of causal (sparse_mode 2 + the 2048x2048 template), band (sparse_mode 4,
+pre = next = 256, template) or pse_shift (an ALiBi bias [1, N, S, S], no mask).
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+STORAGES = ("dense", "paged", "int8-chan", "int8-tok")
+MASKS = ("causal", "band", "pse")
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    kind: str                 # "decode" | "prefill"
+    dtype: str                # "fp16" | "bf16"
+    B: int
+    N: int                    # query heads
+    KV_N: int
+    D: int
+    S_q: int
+    S_kv: int
+    storage: str = "dense"    # dense | paged | int8-chan | int8-tok
+    mask: str = "none"        # none | causal | band | pse
+    block_size: int = 128
+    pre: int = 256
+    next: int = 256
+
+    @property
+    def G(self) -> int:
+        return self.N // self.KV_N
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def unmasked_pairs(self) -> int:
+        """Number of (query row, key) pairs that take part, per (batch, head)."""
+        s1, s2 = self.S_q, self.S_kv
+        if self.mask in ("none", "pse"):
+            return s1 * s2
+        i = np.arange(s1, dtype=np.int64)
+        if self.mask == "causal":                      # sparse_mode 2: j <= i
+            lo, hi = np.zeros_like(i), np.minimum(i, s2 - 1)
+        else:                                          # sparse_mode 4: band on the bottom-right diagonal
+            pre, nxt = self.pre - s2 + s1, self.next + s2 - s1
+            lo, hi = np.maximum(i - pre, 0), np.minimum(i + nxt, s2 - 1)
+        return int(np.clip(hi - lo + 1, 0, None).sum())
+
+    def flops(self) -> int:
+        """4·B·N·D·(unmasked pairs): QKᵀ and PV, 2 flop per multiply-add, masked work not counted."""
+        return 4 * self.B * self.N * self.D * self.unmasked_pairs()
+
+    def kv_bytes(self) -> int:
+        """Bytes of K and V as stored (int8: 1 byte/element, plus their scales); paged: the used blocks."""
+        elems = self.B * self.KV_N * self.S_kv * self.D
+        if self.storage.startswith("int8"):
+            scales = 2 * (self.KV_N * self.D * 2 if self.storage == "int8-chan" else self.B * self.S_kv * 4)
+            return 2 * elems + scales
+        return 2 * elems * self.torch_dtype.itemsize
+
+    def input_bytes(self) -> int:
+        """Rough resident size of the inputs (for the memory guard)."""
+        esz = self.torch_dtype.itemsize
+        pse = self.B * self.N * self.S_q * self.S_kv * esz if self.mask == "pse" else 0
+        return self.kv_bytes() + self.B * self.N * self.S_q * self.D * esz + pse
+
+
+def decode_case(dtype: str, storage: str, S_kv: int, B=8, N=32, KV_N=8, D=128) -> Case:
+    tag = "paged128" if storage == "paged" else storage
+    return Case(f"decode-{dtype}-{tag}-kv{S_kv}", "decode", dtype, B, N, KV_N, D, 1, S_kv, storage=storage)
+
+
+def prefill_case(dtype: str, mask: str, S: int, B=1, N=32, KV_N=8, D=128) -> Case:
+    return Case(f"prefill-{dtype}-{mask}-s{S}", "prefill", dtype, B, N, KV_N, D, S, S, mask=mask)
+
+
+def full_table() -> list[Case]:
+    cases = [decode_case(dt, st, s) for s in (1024, 4096, 16384) for dt in DTYPES for st in STORAGES]
+    cases += [prefill_case(dt, m, s) for s in (1024, 2048, 8192) for dt in ("bf16", "fp16") for m in MASKS]
+    return cases
+
+
+def quick_table() -> list[Case]:
+    cases = [decode_case(dt, st, 4096) for dt in DTYPES for st in STORAGES]
+    cases += [prefill_case("bf16", m, 1024) for m in MASKS] + [prefill_case("fp16", "causal", 1024)]
+    return cases
+
+
+def select(cases: list[Case], regex: Optional[str]) -> list[Case]:
+    if not regex:
+        return cases
+    pat = re.compile(regex)
+    return [c for c in cases if pat.search(c.name)]
+
+
+# --------------------------------------------------------------------------------------------------
+# inputs
+
+def template_mask() -> torch.Tensor:
+    return torch.triu(torch.ones(2048, 2048, dtype=torch.bool), 1)  # [2048, 2048], True = masked
+
+
+@dataclass
+class Inputs:
+    case: Case
+    q: torch.Tensor                              # [B, N, S_q, D]
+    key: torch.Tensor                            # dense/int8 [B, KV_N, S_kv, D]; paged pool [blocks, KV_N, bs, D]
+    value: torch.Tensor                          # like key
+    block_table: Optional[torch.Tensor] = None   # int32 [B, S_kv / bs]
+    k_scale: Optional[torch.Tensor] = None       # int8-chan [1, KV_N, 1, D] (dtype); int8-tok [1, B, S_kv] f32
+    v_scale: Optional[torch.Tensor] = None       # like k_scale
+    pse: Optional[torch.Tensor] = None           # [1, N, S_q, S_kv] (dtype)
+    mask: Optional[torch.Tensor] = None          # template [2048, 2048] bool
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.case.D)
+
+    def fia_kwargs(self) -> dict:
+        """Keyword arguments of npu_fused_infer_attention_score (besides query/key/value)."""
+        c = self.case
+        kw = dict(num_heads=self.q.shape[1], num_key_value_heads=self.key.shape[1], scale=self.scale,
+                  input_layout="BNSD")
+        if c.storage == "paged":
+            kw.update(block_table=self.block_table, block_size=c.block_size, actual_seq_lengths_kv=[c.S_kv] * c.B)
+        elif c.storage.startswith("int8"):
+            mode = 0 if c.storage == "int8-chan" else 1
+            kw.update(key_antiquant_scale=self.k_scale, value_antiquant_scale=self.v_scale,
+                      key_antiquant_mode=mode, value_antiquant_mode=mode)
+        if c.mask == "causal":
+            kw.update(atten_mask=self.mask, sparse_mode=2)
+        elif c.mask == "band":
+            kw.update(atten_mask=self.mask, sparse_mode=4, pre_tokens=c.pre, next_tokens=c.next)
+        elif c.mask == "pse":
+            kw.update(pse_shift=self.pse)
+        return kw
+
+    def head_slice(self) -> "Inputs":
+        """The same problem restricted to KV head 0 and its G query heads (contiguous copies).
+
+        Head groups are independent, so its output equals heads [0, G) of the full output.
+        """
+        G = self.case.G
+        one = lambda t: None if t is None else t[:, :1].contiguous()  # noqa: E731
+        per_chan = self.case.storage == "int8-chan"
+        return Inputs(self.case, self.q[:, :G].contiguous(), one(self.key), one(self.value), self.block_table,
+                      one(self.k_scale) if per_chan else self.k_scale,
+                      one(self.v_scale) if per_chan else self.v_scale,
+                      None if self.pse is None else self.pse[:, :G].contiguous(), self.mask)
+
+
+def alibi(N: int, S_q: int, S_kv: int, dtype: torch.dtype) -> torch.Tensor:
+    """ALiBi bias -slope_h·|i - j| as a pse_shift [1, N, S_q, S_kv], built one head at a time."""
+    dist = (torch.arange(S_q, dtype=torch.float32)[:, None] - torch.arange(S_kv, dtype=torch.float32)[None]).abs_()
+    out = torch.empty(1, N, S_q, S_kv, dtype=dtype)
+    for h in range(N):
+        out[0, h] = dist * -(2.0 ** (-8.0 * (h + 1) / N))
+    return out
+
+
+def build(case: Case, seed: int = 0) -> Inputs:
+    g = torch.Generator().manual_seed(seed)
+    dt = case.torch_dtype
+    B, N, KV_N, D, S_q, S_kv = case.B, case.N, case.KV_N, case.D, case.S_q, case.S_kv
+    randn = lambda *shape: torch.randn(*shape, generator=g, dtype=dt)  # noqa: E731
+    q = randn(B, N, S_q, D)                                            # [B, N, S_q, D]
+    inp = Inputs(case, q, None, None)
+    if case.storage == "dense":
+        inp.key, inp.value = randn(B, KV_N, S_kv, D), randn(B, KV_N, S_kv, D)
+    elif case.storage == "paged":
+        bs = case.block_size
+        nb = -(-S_kv // bs)
+        blocks = B * nb + 8                                            # a shared pool with spare blocks
+        inp.key, inp.value = randn(blocks, KV_N, bs, D), randn(blocks, KV_N, bs, D)
+        perm = torch.randperm(blocks, generator=g)[: B * nb]
+        inp.block_table = perm.view(B, nb).to(torch.int32)             # [B, nb]
+    else:                                                              # int8 + antiquant scales
+        rint = lambda: torch.randint(-127, 128, (B, KV_N, S_kv, D), generator=g, dtype=torch.int8)  # noqa: E731
+        inp.key, inp.value = rint(), rint()
+        if case.storage == "int8-chan":
+            sc = lambda: ((torch.rand(1, KV_N, 1, D, generator=g) + 0.5) / 64).to(dt)  # noqa: E731
+        else:
+            sc = lambda: (torch.rand(1, B, S_kv, generator=g) + 0.5) / 64              # noqa: E731
+        inp.k_scale, inp.v_scale = sc(), sc()
+    if case.mask in ("causal", "band"):
+        inp.mask = template_mask()
+    elif case.mask == "pse":
+        inp.pse = alibi(N, S_q, S_kv, dt)
+    return inp

@@ -1,0 +1,124 @@
+"""This machine's ceilings, measured in-process with plain torch.
+
+* Streaming read bandwidth: `x.sum()` over a float32 tensor far larger than the last-level cache;
+  GB/s = bytes read / time. A `dst.copy_(src)` rate (bytes read + written / time) is recorded next to
+  it as a cross-check (`copy_gbps`); the two agree within ~15% on a quiet machine.
+* Matmul rate per dtype: `torch.mm(a, b)` on square n x n matrices, 2·n³ flop per call. n starts at 512
+  and doubles until one call takes >= `target_s` (or n = 2048, 48 MiB of fp32 operands > L3), so a slow dtype is not measured for
+  minutes and a fast one is measured on a large enough problem.
+Each figure is the best of a few repeats: a ceiling is what the machine can do, and the best run is the
+least disturbed by other processes.
+
+Prefill attention ceiling of a dtype = max(native torch.mm rate of that dtype, float32 torch.mm rate):
+the operator accumulates in float32 (SPEC 3), and on CPUs without bf16/fp16 dot-product instructions
+(e.g. AVX2 only) torch's native bf16/fp16 mm is orders of magnitude slower than converting tiles to
+float32 — the float32 rate is then the achievable ceiling. Both numbers are reported.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _best_time(fn, repeats: int) -> float:
+    fn()  # warm-up (page faults, thread pool start)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_read_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
+    """GB/s of bytes read by a float32 sum over `nbytes` (default 512 MiB, >> L3)."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32)  # [n] touched, resident
+    t = _best_time(lambda: x.sum(), repeats)
+    return x.nbytes / t / 1e9
+
+
+def measure_copy_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
+    """GB/s of bytes read + written by `dst.copy_(src)` of `nbytes`."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32)  # [n]
+    dst = torch.zeros_like(src)                          # [n]
+    t = _best_time(lambda: dst.copy_(src), repeats)
+    return 2 * src.nbytes / t / 1e9
+
+
+def measure_matmul(dtype: torch.dtype, target_s: float = 0.05, max_n: int = 2048, repeats: int = 3):
+    """(TFLOP/s, n) of torch.mm for square n x n matrices of `dtype`, n grown until a call takes target_s."""
+    n = 512
+    while True:
+        a = torch.randn(n, n).to(dtype)  # [n, n]
+        b = torch.randn(n, n).to(dtype)  # [n, n]
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        t = time.perf_counter() - t0
+        if t >= target_s or n >= max_n:
+            break
+        n *= 2
+    t = _best_time(lambda: torch.mm(a, b), repeats)
+    return 2 * n ** 3 / t / 1e12, n
+
+
+@dataclass
+class Ceilings:
+    read_gbps: float                      # streaming read bandwidth (x.sum), the decode ceiling
+    copy_gbps: float                      # copy (read + write) bandwidth, cross-check only
+    mm_tflops: dict                       # dtype name -> native torch.mm TFLOP/s
+    mm_n: dict                            # dtype name -> matrix size used
+    threads: int = field(default_factory=torch.get_num_threads)
+    cpu: str = field(default_factory=lambda: _cpu_name())
+    torch_version: str = torch.__version__
+    cpu_capability: str = field(default_factory=lambda: _cpu_capability())
+
+    def prefill_ceiling(self, dtype_name: str):
+        """(TFLOP/s, basis) — the best of the dtype's native mm and fp32 mm (see module doc)."""
+        native = self.mm_tflops.get(dtype_name, 0.0)
+        fp32 = self.mm_tflops["fp32"]
+        if native >= fp32:
+            return native, f"{dtype_name} mm"
+        return fp32, f"fp32 mm ({dtype_name} mm: {native:.3g})"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cpu_capability() -> str:
+    try:
+        return torch.backends.cpu.get_cpu_capability()
+    except Exception:  # older torch
+        return "unknown"
+
+
+def measure_ceilings(quick: bool = False) -> Ceilings:
+    """Measure bandwidth and matmul ceilings (~2 s quick, ~5 s full)."""
+    nbytes = (256 if quick else 512) << 20
+    reps = 3 if quick else 5
+    rates, sizes = {}, {}
+    for name, dt in DTYPES.items():
+        rates[name], sizes[name] = measure_matmul(dt, target_s=0.05, repeats=reps)
+    return Ceilings(read_gbps=measure_read_bandwidth(nbytes, reps), copy_gbps=measure_copy_bandwidth(nbytes, reps),
+                    mm_tflops=rates, mm_n=sizes)
+
+
+if __name__ == "__main__":  # python -m fia.bench.machine
+    c = measure_ceilings(quick=bool(os.environ.get("FIA_BENCH_QUICK")))
+    print(c.to_dict())
