@@ -19,7 +19,7 @@ ACLNN_ERR_RUNTIME_ERROR = 361001
 
 __all__ = [
     "ACLNN_SUCCESS", "ACLNN_ERR_PARAM_NULLPTR", "ACLNN_ERR_PARAM_INVALID", "ACLNN_ERR_RUNTIME_ERROR",
-    "FiaError", "FiaInputError", "FiaUnsupportedError", "FiaRuntimeError",
+    "FiaError", "FiaInputError", "FiaUnsupportedError", "FiaBackendUnavailable", "FiaRuntimeError",
 ]
 
 
@@ -49,6 +49,10 @@ class FiaUnsupportedError(FiaError, NotImplementedError):
         for name, why in self.reasons.items():
             lines.append(f"  {name}: " + "; ".join(why))
         super().__init__("\n".join(lines))
+
+
+class FiaBackendUnavailable(FiaUnsupportedError):
+    """A backend forced with fia.use_backend(name) cannot run this problem (others might)."""
 
 
 class FiaRuntimeError(FiaError, RuntimeError):

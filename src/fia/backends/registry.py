@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Dict, List
 
 from ..config import get_backend
-from ..errors import FiaUnsupportedError
+from ..errors import FiaBackendUnavailable, FiaUnsupportedError
 from ..spec.problem import AttentionProblem
 from .base import Backend
 from .reference import ReferenceBackend
@@ -39,7 +39,7 @@ def select(p: AttentionProblem) -> Backend:
         b = by_name(forced)
         why = b.not_supported_reasons(p)
         if why:
-            raise FiaUnsupportedError(f"backend {forced!r} (forced) cannot run this problem", {forced: why})
+            raise FiaBackendUnavailable(f"backend {forced!r} (forced) cannot run this problem", {forced: why})
         return b
     report = {}
     for b in _BACKENDS:
