@@ -269,6 +269,11 @@ def assert_input_error(call: Dict[str, Any], names: Sequence[str], status: int =
     assert err.status == status, f"status {err.status} != {status}; message: {err}"
     msg = str(err)
     assert any(names_argument(msg, n) for n in names), f"message {msg!r} names none of {list(names)}"
+    # The argument the error is about (FiaInputError.argument, the message's leading "<argument>:") must be
+    # one of `names` -- not merely a word somewhere in the explanation ("... the N axis of key ...").
+    if err.argument is not None:
+        assert any(names_argument(err.argument, n) for n in names), \
+            f"error is about {err.argument!r}, expected one of {list(names)}; message: {msg!r}"
     return err
 
 

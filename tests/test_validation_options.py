@@ -12,8 +12,7 @@ import pytest
 import torch
 
 import fia
-from _validation_util import (BASES, BF16, F16, F32, INVALID, assert_input_error, case, check_case, params,
-                              run, run_ok, t, template, zmask)
+from _validation_util import BASES, BF16, F16, F32, case, check_case, params, run_ok, t, template, zmask
 
 PRE_NEXT = ("pre_tokens", "next_tokens")
 

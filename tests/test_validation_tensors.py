@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fia
-from _validation_util import (BASES, BF16, F16, F32, INVALID, NULLPTR, assert_input_error, case, check_case,
+from _validation_util import (BASES, BF16, F16, F32, NULLPTR, assert_input_error, case, check_case,
                               params, run_ok, t, zmask)
 
 
@@ -176,6 +176,12 @@ HEAD_CASES = [
     case("BSH-kv-heads-default-key-H-differs", "prefill_bsh_gqa", ("num_key_value_heads", "key"),
          num_key_value_heads=0),
     case("incre-kv-heads-ne-key-N", "incre_bnsd", "num_key_value_heads", num_key_value_heads=1),
+    case("num_kv_heads-gt-num_heads", "prefill_bnsd", "num_key_value_heads", key=t(2, 4, 6, 16),
+         value=t(2, 4, 6, 16), num_key_value_heads=4),
+    case("num_kv_heads-not-int", "prefill_gqa", "num_key_value_heads", num_key_value_heads="2"),
+    case("num_heads-bool", "prefill_bnsd", "num_heads", num_heads=True),
+    case("BSH-key-H-not-multiple-of-D", "prefill_bsh", ("key", "num_key_value_heads"), key=t(2, 6, 24),
+         value=t(2, 6, 24)),
     # G = Q_N / KV_N <= 64
     case("group-65", "prefill_bnsd", ("num_key_value_heads", "num_heads"),
          query=t(1, 65, 2, 16), key=t(1, 1, 3, 16), value=t(1, 1, 3, 16), num_heads=65, num_key_value_heads=1),
@@ -337,9 +343,41 @@ PORTABLE_SEMANTIC_CASES = [
          actual_seq_lengths_kv=[7]),
     case("portable-sparse-mode-5", "prefill_mask", "sparse_mode", mode="portable", sparse_mode=5),
     case("portable-inner-precise-decode-2", "decode_bnsd", "inner_precise", mode="portable", inner_precise=2),
+    case("portable-pre-next-both-negative", "prefill_mask", ("pre_tokens", "next_tokens"), mode="portable",
+         pre_tokens=-1, next_tokens=-1),
+    case("portable-TND-lengths-missing", "tnd", "actual_seq_lengths", mode="portable", actual_seq_lengths=None),
+    case("portable-TND-last-ne-T", "tnd", "actual_seq_lengths_kv", mode="portable", actual_seq_lengths_kv=[3, 7]),
+    case("portable-mask-too-small", "prefill_mask", "atten_mask", mode="portable", atten_mask=zmask(4, 5)),
+    case("portable-template-missing", "prefill_bnsd", "atten_mask", mode="portable", sparse_mode=3),
+    case("portable-pse-shape", "prefill_pse", "pse_shift", mode="portable", pse_shift=t(2, 2, 4, 5)),
+    case("portable-list-count", "tensor_list", "key", mode="portable", key=[t(1, 2, 5, 16)],
+         value=[t(1, 2, 5, 16)]),
 ]
 
 
 @pytest.mark.parametrize("c", params(PORTABLE_SEMANTIC_CASES))
 def test_portable_keeps_semantic_checks(c):
     check_case(c)
+
+
+# --- scalar attributes: type checks name the caller's spelling ---------------------------------------------
+SCALAR_CASES = [
+    case("scale-str", "prefill_bnsd", "scale", scale="0.5"),
+    case("incre-scale_value-str", "incre_bsh", "scale_value", scale_value="0.5"),
+    case("prompt-scale_value-str", "prompt_bsh", "scale_value", scale_value="0.5"),
+]
+
+
+@pytest.mark.parametrize("c", params(SCALAR_CASES))
+def test_scalar_attribute_types(c):
+    check_case(c)
+
+
+@pytest.mark.parametrize("arg,value", [("num_heads", "2"), ("sparse_mode", "0"), ("input_layout", "")])
+def test_message_shows_received_string_as_a_string(arg, value):
+    # SPEC 14: the error says what was received. A string "2" must not read as the integer 2
+    # ("num_heads: expected an integer, got 2" is self-contradictory), and an empty layout must be visible.
+    call = BASES["prefill_mask"]()
+    call[arg] = value
+    err = assert_input_error(call, (arg,))
+    assert repr(value) in str(err), str(err)

@@ -62,7 +62,7 @@ class Ctx:
                 return None
             raise self.err(name, "a tensor", "None", status=ACLNN_ERR_PARAM_NULLPTR)
         if not isinstance(x, torch.Tensor):
-            raise self.err(name, "a torch.Tensor", x)
+            raise self.err(name, "a torch.Tensor", describe(x))
         return x
 
     def dtype_in(self, name: str, t: torch.Tensor, allowed: Iterable[torch.dtype], what: str | None = None):
@@ -82,7 +82,7 @@ class Ctx:
             if isinstance(x, torch.Tensor) and x.numel() == 1 and not x.is_floating_point() \
                     and x.dtype != torch.bool:
                 return int(x.item())
-            raise self.err(name, "an integer", x)
+            raise self.err(name, "an integer", describe(x))
         return int(x)
 
     def number(self, name: str, x) -> float:
@@ -95,7 +95,7 @@ class Ctx:
                 pass
             if isinstance(x, torch.Tensor) and x.numel() == 1:
                 return float(x.item())
-            raise self.err(name, "a number", x)
+            raise self.err(name, "a number", describe(x))
         return float(x)
 
     def int_list(self, name: str, x):
@@ -121,7 +121,7 @@ class Ctx:
             for v in x:
                 out.append(self.integer(name, v) if not isinstance(v, bool) else self._bad_list(name, x))
             return tuple(out)
-        raise self.err(name, "a list of ints", x)
+        raise self.err(name, "a list of ints", describe(x))
 
     def _bad_list(self, name, x):
-        raise self.err(name, "a list of ints", x)
+        raise self.err(name, "a list of ints", describe(x))

@@ -17,7 +17,7 @@ from . import masking as M
 from . import quant as QT
 from . import sequence as Q
 from . import tensors as T
-from .context import Ctx, dtype_name
+from .context import Ctx, describe, dtype_name
 from .later import reject_unimplemented
 from .paged import paged_kv
 
@@ -160,7 +160,7 @@ def parse_fused(a: dict, api: str = "npu_fused_infer_attention_score", aliases: 
     scale = ctx.number("scale", a["scale"])
     lse_flag = a["softmax_lse_flag"]
     if not isinstance(lse_flag, (bool, int)) or lse_flag not in (0, 1):
-        raise ctx.err("softmax_lse_flag", "a bool", lse_flag)
+        raise ctx.err("softmax_lse_flag", "a bool", describe(lse_flag))
 
     # ---- quantization (SPEC 10-12)
     antiquant = full = qdq = None

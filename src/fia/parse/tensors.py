@@ -8,7 +8,7 @@ import torch
 
 from ..spec.layout import LAYOUTS, Layout, heads_dim, seq_dim, to_canonical
 from ..spec.problem import DenseKV, ListKV, PackedKV
-from .context import Ctx, dtype_name
+from .context import Ctx, describe, dtype_name
 
 FLOAT_STRICT = (torch.float16, torch.bfloat16)
 FLOAT_PORTABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -18,7 +18,7 @@ MAX_B, MAX_N, MAX_D, MAX_G, MAX_LIST_B = 65536, 256, 512, 64, 256
 
 def parse_layout(ctx: Ctx, s) -> Layout:
     if not isinstance(s, str) or s not in LAYOUTS:
-        raise ctx.err("input_layout", "one of " + ", ".join(LAYOUTS), s)
+        raise ctx.err("input_layout", "one of " + ", ".join(LAYOUTS), describe(s))
     return LAYOUTS[s]
 
 
@@ -57,7 +57,7 @@ def kv_arg(ctx: Ctx, name: str, x):
             if not isinstance(t, torch.Tensor):
                 raise ctx.err(name, "a list of torch.Tensor", f"element {i} = {type(t).__name__}")
         return tuple(x)
-    raise ctx.err(name, "a torch.Tensor or a list of tensors", x)
+    raise ctx.err(name, "a torch.Tensor or a list of tensors", describe(x))
 
 
 def heads_and_dim(ctx: Ctx, layout: Layout, t: torch.Tensor, heads: int, name: str, heads_arg: str):
@@ -154,10 +154,14 @@ def list_kv(ctx: Ctx, layout: Layout, qd: QueryDims, keys: tuple, values: tuple,
         raise ctx.hw("key", f"at most {MAX_LIST_B} tensors in a tensor list", len(keys))
     sd = seq_dim(layout.inp)
     ks, vs, lens = [], [], []
+    ref = [d for j, d in enumerate(keys[0].shape) if j != sd]
     for i, (k, v) in enumerate(zip(keys, values)):
         for name, t in (("key", k), ("value", v)):
             if t.dim() != layout.rank or t.shape[0] != 1:
                 raise ctx.err(name, f"list element {i} of rank {layout.rank} with batch 1", t)
+        if [d for j, d in enumerate(k.shape) if j != sd] != ref:
+            raise ctx.err("key", f"identical N and D in every list element (element 0: {tuple(keys[0].shape)})",
+                          f"element {i}: {tuple(k.shape)}")
         if k.dtype != keys[0].dtype or v.dtype != values[0].dtype:
             raise ctx.err("key" if k.dtype != keys[0].dtype else "value",
                           "the same dtype in every list element", f"element {i}: {k.dtype}/{v.dtype}")
