@@ -76,7 +76,8 @@ def parse_fused(a: dict, api: str = "npu_fused_infer_attention_score", aliases: 
         cap = bt.shape[-1] * bs if bt.dim() == 2 and bs > 0 else 2 ** 62
         kv_lens = L.per_batch(ctx, "actual_seq_lengths_kv", kv_lens_raw, b, (cap,) * b)
         kv, dv, kv_s = paged_kv(ctx, layout, qd, b, key, value, key_rope, bt, bs, kv_lens, decode=decode,
-                                kv_dtype=T.raw_kv_dtypes(key, value)[0], pack=kind.pack)
+                                kv_dtype=T.raw_kv_dtypes(key, value)[0], pack=kind.pack,
+                                allow_dv_differs=allow_dv)
         kv_phys = (kv_s,) * b
     elif is_list:
         kv, dv, kv_phys = T.list_kv(ctx, layout, qd, key, value, key_rope, pack=kind.pack)

@@ -33,6 +33,10 @@ def _cache(ctx: Ctx, name: str, t: torch.Tensor, layout: Layout, kv_n: int, dim:
             raise ctx.err(name, f"KV_N = {kv_n} heads on axis 1 of the (blocknum, KV_N, block_size, D) cache", t)
         d = t.shape[3]
         view = t
+    elif t.dim() == 5:
+        from ..errors import FiaUnsupportedError
+        raise FiaUnsupportedError(f"{ctx.n(name)}: the 5-D NZ cache (blocknum, KV_N, D/D0, block_size, D0) is a "
+                                  "later extension, not implemented", {"reference": ["NZ paged cache"]})
     else:
         raise ctx.err(name, "a 3-D (blocknum, block_size, H) or 4-D (blocknum, KV_N, block_size, D) cache", t)
     if dim is not None and d != dim:
@@ -41,7 +45,8 @@ def _cache(ctx: Ctx, name: str, t: torch.Tensor, layout: Layout, kv_n: int, dim:
 
 
 def paged_kv(ctx: Ctx, layout: Layout, qd: QueryDims, b: int, key, value, key_rope, block_table, block_size,
-             kv_lens: Tuple[int, ...], *, decode: bool, kv_dtype: torch.dtype, pack: int = 1):
+             kv_lens: Tuple[int, ...], *, decode: bool, kv_dtype: torch.dtype, pack: int = 1,
+             allow_dv_differs: bool = False):
     """Validate the paged cache; return (PagedKV, Dv, max_blocks * block_size)."""
     if isinstance(key, tuple) or isinstance(value, tuple):
         raise ctx.err("block_table", "None with tensor-list key/value (paged KV does not take tensor lists)",
@@ -64,7 +69,7 @@ def paged_kv(ctx: Ctx, layout: Layout, qd: QueryDims, b: int, key, value, key_ro
             raise ctx.hw("block_size", f"a multiple of {align}" + (" for decode with " + dtype_name(kv_dtype)
                                                                   + " KV" if decode else " for Q_S > 1"), bs)
     kc = _cache(ctx, "key", key, layout, qd.KV_N, qd.D // pack)
-    vc = _cache(ctx, "value", value, layout, qd.KV_N, None)
+    vc = _cache(ctx, "value", value, layout, qd.KV_N, None if allow_dv_differs else qd.D // pack)
     if vc.shape[0] != kc.shape[0] or vc.shape[2] != kc.shape[2] or key.dim() != value.dim():
         raise ctx.err("value", f"a cache shaped like key {tuple(key.shape)} (except D)", value)
     if kc.shape[2] != bs:

@@ -86,14 +86,14 @@ def _per_tensor_float(ctx: Ctx, name: str, t, *, uint64_ok: bool) -> float:
     if t is None:
         raise ctx.err(name, "a per-tensor scale (dequant_scale1, quant_scale1 and dequant_scale2 are all "
                       "required for full int8 quantization)", "None")
-    allowed = (torch.float32, torch.int64) if uint64_ok else (torch.float32,)
+    allowed = (torch.float32, torch.int64, torch.uint64) if uint64_ok else (torch.float32,)
     if t.dtype not in allowed:
         raise ctx.err(name, "dtype float32" + (" or int64 (the UINT64 bit-pattern form)" if uint64_ok else ""),
                       f"dtype {dtype_name(t.dtype)}")
     if t.numel() != 1:
         raise ctx.err(name, "a per-tensor scale with one element", t)
     v = t.reshape(-1)[0].item()
-    if t.dtype == torch.int64:   # low 32 bits hold the float32 bit pattern
+    if t.dtype in (torch.int64, torch.uint64):   # low 32 bits hold the float32 bit pattern
         v = struct.unpack("<f", struct.pack("<I", int(v) & 0xFFFFFFFF))[0]
     return float(v)
 

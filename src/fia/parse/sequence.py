@@ -51,6 +51,10 @@ def shared_prefix(ctx: Ctx, layout: Layout, qd: QueryDims, key, kp, vp, plen_raw
             raise ctx.err(name, f"a {layout.rank}-D tensor in layout {layout.inp} with batch 1", t)
         if t.dtype != kv_dtype:
             raise ctx.err(name, f"dtype {dtype_name(kv_dtype)} (the key's)", f"dtype {dtype_name(t.dtype)}")
+    if layout.inp != "BSH" and kp.shape[1 if layout.inp == "BNSD" else 2] != qd.KV_N:
+        raise ctx.err("key_shared_prefix", f"KV_N = {qd.KV_N} heads like key", kp)
+    if layout.inp == "BSH" and kp.shape[2] % qd.KV_N:
+        raise ctx.err("key_shared_prefix", f"H divisible by KV_N = {qd.KV_N} like key", kp)
     _, d = heads_and_dim(ctx, layout, kp, qd.KV_N, "key_shared_prefix", "num_key_value_heads")
     if d * pack != qd.D:
         raise ctx.err("key_shared_prefix", f"head dim D = {qd.D // pack} like key", kp)
