@@ -331,3 +331,78 @@ def check_dense(q, k, v, *, layout="BSH", scale=None, act_q=None, act_kv=None, l
     dead = torch.isposinf(ref_lse)
     assert_zero_rows(oc, lc, dead)
     return oc, lc, ref_out, ref_lse
+
+
+# ---------------------------------------------------------------------------------------------- paged KV
+def block_table(lens: Sequence[int], bs: int, g: torch.Generator, *, spare: int = 2, shuffle: bool = True,
+                share: int = 0, extra_cols: int = 0, unused=-1):
+    """Assign pool blocks to every batch's KV (SPEC 8). Returns (table int32 [B, MB], num_blocks).
+
+    Each batch needs ceil(lens[b] / bs) blocks. `share` leading blocks are the same ids for every batch that
+    needs them (a shared pool: the pool may be smaller than B x KV_S). `spare` extra pool blocks are never
+    used; ids are shuffled; entries past a batch's last block are `unused` (an int, or a callable
+    (b, col) -> int)."""
+    need = [(l + bs - 1) // bs for l in lens]
+    mb = max(need + [1]) + extra_cols
+    n_own = sum(max(n - share, 0) for n in need)
+    nb = share + n_own + spare
+    perm = torch.randperm(nb, generator=g).tolist() if shuffle else list(range(nb))
+    shared_ids, nxt = perm[:share], share
+    table = []
+    for b, n in enumerate(need):
+        row = []
+        for c in range(mb):
+            if c < n:
+                if c < share:
+                    row.append(shared_ids[c])
+                else:
+                    row.append(perm[nxt])
+                    nxt += 1
+            else:
+                row.append(unused(b, c) if callable(unused) else unused)
+        table.append(row)
+    return torch.tensor(table, dtype=torch.int32), nb
+
+
+def paged_pool(table: torch.Tensor, lens: Sequence[int], bs: int, nb: int, kv_n: int, d: int,
+               g: torch.Generator, dtype=torch.float16, poison: bool = True) -> torch.Tensor:
+    """Canonical pool [NB, KV_N, bs, D]: random where some batch holds a valid token, NaN (poison) in every
+    other slot (unused blocks, slots past a sequence's length)."""
+    pool = randn((nb, kv_n, bs, d), g, dtype)
+    if not poison or not pool.is_floating_point():
+        return pool
+    used = torch.zeros(nb, bs, dtype=torch.bool)
+    for b, l in enumerate(lens):
+        nblk = (l + bs - 1) // bs
+        ids = table[b, :nblk].long()
+        slots = (torch.arange(nblk * bs) < l).reshape(nblk, bs)
+        used[ids] |= slots
+    out = pool.clone()
+    out.masked_fill_(~used[:, None, :, None].expand_as(out), float("nan"))
+    return out
+
+
+def gather_paged(pool: torch.Tensor, table: torch.Tensor, lens: Sequence[int], bs: int) -> torch.Tensor:
+    """Canonical pool [NB, KV_N, bs, D] + table -> dense [B, KV_N, MB*bs, D] holding token p of batch b at
+    position p; positions past lens[b] are NaN (float) or 0 (integer)."""
+    b, mb = table.shape
+    nb, kv_n, _, d = pool.shape
+    fill = float("nan") if pool.is_floating_point() else 0
+    out = torch.full((b, kv_n, mb * bs, d), fill, dtype=pool.dtype)
+    for i, l in enumerate(lens):
+        nblk = (l + bs - 1) // bs
+        if nblk:
+            blocks = pool[table[i, :nblk].long()]                                   # [nblk, KV_N, bs, D]
+            out[i, :, :l] = blocks.permute(1, 0, 2, 3).reshape(kv_n, nblk * bs, d)[:, :l]
+    return out
+
+
+def pool_as_cache(pool: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Canonical pool [NB, KV_N, bs, D] -> the cache tensor passed to fia: '3d' (blocknum, block_size, KV_N*D)
+    or '4d' (blocknum, KV_N, block_size, D)."""
+    nb, kv_n, bs, d = pool.shape
+    if fmt == "3d":
+        return pool.permute(0, 2, 1, 3).reshape(nb, bs, kv_n * d).contiguous()
+    if fmt == "4d":
+        return pool.contiguous()
+    raise ValueError(fmt)

@@ -7,6 +7,10 @@ from .api import (npu_attention_update, npu_fused_infer_attention_score, npu_fus
 from .config import (get_backend, get_validation_mode, set_backend, set_validation_mode, use_backend,
                      validation_mode)
 from .errors import FiaError, FiaInputError, FiaRuntimeError, FiaUnsupportedError
+# graph mode (issue 5): the same functions, recorded as torch.ops.fia nodes while torch.compile traces
+from .ops import npu_fused_infer_attention_score, npu_incre_flash_attention, npu_prompt_flash_attention  # noqa: E402,F811
+from . import aclnn, ops  # noqa: E402
+from .explain import DispatchReport, explain  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -16,4 +20,5 @@ __all__ = [
     "FiaError", "FiaInputError", "FiaUnsupportedError", "FiaRuntimeError",
     "get_validation_mode", "set_validation_mode", "validation_mode",
     "get_backend", "set_backend", "use_backend",
+    "explain", "DispatchReport", "aclnn", "ops",
 ]

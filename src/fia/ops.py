@@ -24,15 +24,19 @@ dispatcher hop, identical behaviour and messages. While ``torch.compile`` traces
 (``torch.compiler.is_compiling()``) they call the custom op instead, so Dynamo records a single graph
 node and never traces the Python of the parse layer (``fullgraph=True`` works).
 
-Under tracing the lengths lists must be Python ints (lists / tuples; a lengths *tensor* would need a
-host read, which breaks the graph). An invalid call fails at trace time: Dynamo wraps the FIA error
-in ``torch._dynamo.exc.TorchRuntimeError`` whose message contains the FIA message.
+Inference-only, as on the NPU: no autograd formula is registered, so backward through a graph-mode
+node is not supported (PyTorch warns that the op has no autograd kernel).
+
+Under tracing the lengths lists must be Python ints (lists / tuples / NumPy arrays; a lengths *tensor*
+would need a host read inside the graph and is rejected by the schema). An invalid call fails at trace
+time: Dynamo wraps the FIA error in ``torch._dynamo.exc.TorchRuntimeError``, whose message contains
+the FIA message.
 """
 from __future__ import annotations
 
 import functools
 import inspect
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict
 
 import torch
 
@@ -65,6 +69,7 @@ class _OpSpec:
         sig = inspect.signature(fn)
         self.positional = [p.name for p in sig.parameters.values() if p.kind == p.POSITIONAL_OR_KEYWORD]
         self.defaults = {p.name: p.default for p in sig.parameters.values() if p.kind == p.KEYWORD_ONLY}
+        self.names = self.positional + list(self.defaults)      # the schema's argument order
 
     @property
     def qualname(self) -> str:
@@ -73,7 +78,7 @@ class _OpSpec:
     def bind(self, args: tuple, kwargs: dict) -> dict:
         """Dispatcher call -> the full argument dict of the eager function (defaults filled in)."""
         a = dict(self.defaults)
-        a.update(zip(self.positional, args))
+        a.update(zip(self.names, args))
         a.update(kwargs)
         return a
 

@@ -48,3 +48,5 @@ def select(p: AttentionProblem) -> Backend:
             return b
         report[b.name] = why
     raise FiaUnsupportedError("no FIA backend can run this problem", report)
+from .prefill import PrefillBackend as _Prefill; register(_Prefill())  # noqa: E402,E702  issue 8: fast CPU prefill
+from .decode import DecodeBackend as _Decode; register(_Decode())  # noqa: E402,E702  issue 7: fast CPU decode

@@ -1,7 +1,7 @@
 """FIA benchmark suite: machine ceilings, a case table, peers (torch SDPA), timing and reports.
 
-Run `python -m fia.bench` (or `fia-bench`); `--quick` for a < 2 minute run. `fia.bench.demo.demo()` is the
-paged-KV decode loop shown in the README. Modules: machine (ceilings), cases (case table and inputs),
+Run `python -m fia.bench` (or `fia-bench`); `--quick` for a < 2 minute run. `fia.bench.demo.demo()` (`fia-bench --demo`) is
+the paged-KV decode loop shown in the README. Modules: machine (ceilings), cases (case table and inputs),
 peers (SDPA equivalents), runner (checking, timing, memory), report (table, JSON, Markdown, PNG).
 """
 
@@ -11,9 +11,4 @@ def main(argv=None) -> int:
     return _main(argv)
 
 
-def demo(*args, **kwargs):
-    from .demo import demo as _demo
-    return _demo(*args, **kwargs)
-
-
-__all__ = ["main", "demo"]
+__all__ = ["main"]

@@ -2,12 +2,14 @@
 
 Order per case:
 1. build the inputs (not timed);
-2. FIA (automatic) once — first call, doubles as warm-up (JIT) and as the memory probe;
-3. check it: the reference backend runs on KV head 0 and its G query heads (head groups are independent,
-   so that output equals heads [0, G) of the full one — 1/KV_N of the work). When the full reference is
-   estimated (slice time x KV_N) to fit the reference budget it runs on the whole case instead and the
-   whole output is compared. If the reference cannot run a case, SDPA in float32 on the head slice is the
-   judge. A mismatch => "wrong", and nothing of the case is timed;
+2. the judge: the reference backend runs on KV head 0 and its G query heads (head groups are independent,
+   so that output equals heads [0, G) of the full one — 1/KV_N of the work). When the whole case is
+   estimated (slice time and peak memory x KV_N) to fit the reference budgets, the reference runs on the
+   whole case instead and is the judge. If the reference cannot run a case, SDPA in float32 on the head
+   slice is the judge;
+3. FIA (automatic backend) once — first call, doubles as warm-up (JIT) and memory probe — and its check:
+   max|out - judge| / max|judge| <= TOL, else "wrong" and nothing of the case is timed. (If the automatic
+   choice is the reference itself and its estimated memory does not fit, the call is skipped.);
 4. SDPA once (memory probe) and the same check of SDPA (a failing peer is a bug in peers.py: "wrong");
 5. time FIA, SDPA and — if within budget — the reference: warm-up, then `repeats` calls (fewer if a
    call is slow: at most `time_budget_s` per implementation, at least 1), median ms reported.
@@ -37,14 +39,14 @@ TOL = {"fp16": 5e-3, "bf16": 2e-2}   # max|a - b| / max|ref|
 @dataclass
 class Options:
     repeats: int = 10
-    time_budget_s: float = 20.0     # timed calls per implementation stop after about this long
+    time_budget_s: float = 10.0     # timed calls per implementation stop after about this long
     ref_budget_s: float = 10.0      # the reference is timed only if one full call is estimated below this
-    mem_fraction: float = 0.6       # skip a case whose inputs x 3 exceed this share of available memory
+    mem_fraction: float = 0.7       # skip a case whose inputs x 2 exceed this share of available memory
     seed: int = 0
 
     @classmethod
     def quick(cls, repeats: Optional[int] = None) -> "Options":
-        return cls(repeats=repeats or 3, time_budget_s=2.0, ref_budget_s=1.0)
+        return cls(repeats=repeats or 3, time_budget_s=1.5, ref_budget_s=1.0)
 
 
 # --- memory -----------------------------------------------------------------------------------------
@@ -71,7 +73,6 @@ def _reset_peak() -> bool:
 
 def probe(fn: Callable[[], torch.Tensor]):
     """Run fn once: (result, seconds, peak extra resident MB or None)."""
-    gc.collect()
     base = _status_kb("VmRSS")
     ok = base is not None and _reset_peak()
     t0 = time.perf_counter()
@@ -96,17 +97,20 @@ def available_bytes() -> Optional[int]:
 # --- timing -------------------------------------------------------------------------------------------
 
 def timeit(fn: Callable, repeats: int, budget_s: float, first_s: float) -> dict:
-    """Warm up (the probe call counts; one more call unless it took > 1 s), then time up to `repeats` calls."""
-    if first_s <= 1.0:
-        t0 = time.perf_counter()
+    """Warm up, then time calls until `repeats` are done or `budget_s` has passed (at least one call).
+
+    The probe call was the first warm-up (JIT compilation, page faults); one more warm-up call is made
+    when that first call was cheap (< 0.5 s).
+    """
+    if first_s < 0.5:
         fn()
-        first_s = time.perf_counter() - t0
-    n = max(1, min(repeats, int(budget_s / max(first_s, 1e-9))))
     ts = []
-    for _ in range(n):
+    start = time.perf_counter()
+    while len(ts) < repeats and (not ts or time.perf_counter() - start < budget_s):
         t0 = time.perf_counter()
         fn()
         ts.append((time.perf_counter() - t0) * 1e3)
+    n = len(ts)
     ts.sort()
     mid = len(ts) // 2
     med = ts[mid] if len(ts) % 2 else (ts[mid - 1] + ts[mid]) / 2
@@ -134,6 +138,18 @@ def _fia_call(fia, inp: C.Inputs, backend: Optional[str]) -> Callable[[], torch.
             out, _ = fia.npu_fused_infer_attention_score(inp.q, inp.key, inp.value, **kw)
         return out                                                  # [B, N, S_q, D]
     return run
+
+
+def _selected_backend(fia, inp: C.Inputs) -> Optional[str]:
+    """Name of the backend the automatic choice picks for this case (via fia.explain, when available)."""
+    explain = getattr(fia, "explain", None)
+    if explain is None:
+        return None
+    try:
+        with fia.use_backend(None):
+            return explain(inp.q, inp.key, inp.value, **inp.fia_kwargs()).selected
+    except Exception:
+        return None
 
 
 def _guard(fia, fn):
@@ -167,56 +183,66 @@ def _rate(rec: dict, ms: float) -> float:
     return rec["flops"] / (ms * 1e-3) / 1e12
 
 
+def _skip_all(rec: dict, msg: str) -> dict:
+    for name in ("fia", "reference", "sdpa", "check"):
+        rec[name] = {"status": msg}
+    return rec
+
+
+def _judge(fia, inp: C.Inputs, sl: C.Inputs, rec: dict, opts: Options, phase) -> tuple:
+    """Run the reference (slice, then whole case if affordable); returns (judge output, name, whole?)."""
+    G, KV_N = inp.case.G, inp.case.KV_N
+    phase("reference")
+    ref_s, t_slice, mb_slice, st = _guard(fia, _fia_call(fia, sl, "reference"))
+    if st is not None:                     # the reference cannot run it: SDPA in float32 judges the slice
+        rec["reference"] = {"status": st}
+        out, _, _ = probe(peers.sdpa_call(sl, torch.float32))
+        return out, f"SDPA float32 on KV head 0 (query heads 0..{G - 1}); reference: {st}", False
+    est_s, est_mb = t_slice * KV_N, None if mb_slice is None else mb_slice * KV_N
+    rec["reference"] = {"status": "pending", "est_call_s": est_s, "est_peak_mb": est_mb}
+    avail = available_bytes()
+    if est_s > opts.ref_budget_s:
+        rec["reference"]["status"] = f"skipped: too slow (~{est_s:.1f} s/call est.)"
+    elif est_mb is not None and avail is not None and est_mb * 2**20 > opts.mem_fraction * avail:
+        rec["reference"]["status"] = f"skipped: needs ~{est_mb / 1024:.1f} GiB (est.)"
+    else:
+        full, t_full, mb_full, st = _guard(fia, _fia_call(fia, inp, "reference"))
+        if st is None:
+            rec["reference"].update(status="ok", peak_mb=mb_full, first_call_s=t_full)
+            return full, "reference (whole case)", True
+        rec["reference"]["status"] = st
+    return ref_s, f"reference on KV head 0 (query heads 0..{G - 1})", False
+
+
 def run_case(case: C.Case, ceilings, opts: Options, fia, phase: Callable[[str], None] = lambda s: None) -> dict:
     rec = case_record(case, ceilings)
-    impls = {name: {"status": "not run"} for name in ("fia", "reference", "sdpa")}
-    rec.update(impls, check={"status": "not run"}, speedup_vs_sdpa=None)
-    avail = available_bytes()
-    need = 3 * case.input_bytes()
+    rec.update({name: {"status": "not run"} for name in ("fia", "reference", "sdpa", "check")},
+               speedup_vs_sdpa=None)
+    avail, need = available_bytes(), 2 * case.input_bytes()   # inputs + as much again for temporaries
     if avail is not None and need > opts.mem_fraction * avail:
-        msg = f"skipped: needs ~{need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB available"
-        for name in impls:
-            rec[name] = {"status": msg}
-        rec["check"] = {"status": msg}
-        return rec
-
+        return _skip_all(rec, f"skipped: needs ~{need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB available")
     phase("build")
     t0 = time.perf_counter()
     inp = C.build(case, opts.seed)
-    rec["build_s"] = time.perf_counter() - t0
-    G = case.G
-
-    # 2. FIA (automatic backend), first call
-    phase("fia")
-    fia_fn = _fia_call(fia, inp, None)
-    out, fia_first, fia_mb, st = _guard(fia, fia_fn)
-    rec["fia"] = {"status": st or "ok", "peak_mb": fia_mb, "first_call_s": fia_first}
-
-    # 3. the judge: reference on the head slice (or the whole case), else SDPA float32 on the slice
-    phase("check")
     sl = inp.head_slice()
-    ref_s, ref_slice_s, _, ref_st = _guard(fia, _fia_call(fia, sl, "reference"))
-    judge, judge_name, ref_full = ref_s, f"reference on KV head 0 (query heads 0..{G - 1})", None
-    if ref_st is None:
-        est = ref_slice_s * case.KV_N
-        rec["reference"] = {"status": "pending", "est_call_s": est}
-        if est <= opts.ref_budget_s:
-            ref_full, ref_first, ref_mb, st = _guard(fia, _fia_call(fia, inp, "reference"))
-            if st is None:
-                judge, judge_name = ref_full, "reference (whole case)"
-                rec["reference"].update(status="ok", peak_mb=ref_mb, first_call_s=ref_first)
-            else:
-                rec["reference"]["status"] = st
-        else:
-            rec["reference"]["status"] = f"skipped: too slow (~{est:.1f} s/call est.)"
-    else:
-        rec["reference"] = {"status": ref_st}
-        judge, _, _ = probe(peers.sdpa_call(sl, torch.float32))
-        judge_name = f"SDPA float32 on KV head 0 (query heads 0..{G - 1}); reference: {ref_st}"
-    whole = ref_full is not None and judge is ref_full
-    pick = (lambda t: t) if whole else (lambda t: t[:, :G])
+    rec["build_s"] = time.perf_counter() - t0
+
+    # the reference first (on the slice: cheap), so its cost estimates can guard the automatic call
+    judge, judge_name, whole = _judge(fia, inp, sl, rec, opts, phase)
+    pick = (lambda t: t) if whole else (lambda t: t[:, :case.G])
     tol = TOL[case.dtype]
-    check = {"against": judge_name, "tol": tol}
+    check = rec["check"] = {"against": judge_name, "tol": tol}
+
+    phase("fia")
+    backend = _selected_backend(fia, inp)
+    fia_fn = _fia_call(fia, inp, None)
+    est_mb, avail = rec["reference"].get("est_peak_mb"), available_bytes()
+    if (backend in (None, "reference") and est_mb is not None and avail is not None
+            and est_mb * 2**20 > opts.mem_fraction * avail):
+        out, fia_first, fia_mb, st = None, None, None, f"skipped: needs ~{est_mb / 1024:.1f} GiB (est.)"
+    else:
+        out, fia_first, fia_mb, st = _guard(fia, fia_fn)
+    rec["fia"] = {"status": st or "ok", "backend": backend, "peak_mb": fia_mb, "first_call_s": fia_first}
     if out is not None:
         err = rel_err(pick(out), judge)
         check.update(status="ok" if err <= tol else "wrong", rel_err=err)
@@ -226,41 +252,34 @@ def run_case(case: C.Case, ceilings, opts: Options, fia, phase: Callable[[str], 
         check["status"] = rec["fia"]["status"]
     del out
 
-    # 4. SDPA, first call + same check
     phase("sdpa")
     sdpa_fn = peers.sdpa_call(inp)
     s_out, sdpa_first, sdpa_mb, st = _guard(fia, sdpa_fn)
     rec["sdpa"] = {"status": st or "ok", "peak_mb": sdpa_mb, "first_call_s": sdpa_first}
     if s_out is not None:
-        err = rel_err(pick(s_out), judge)
-        check["sdpa_rel_err"] = err
-        if err > tol:
+        check["sdpa_rel_err"] = err = rel_err(pick(s_out), judge)
+        if err > tol:                      # the peer disagrees with the reference: a bug in peers.py
             rec["sdpa"]["status"] = "wrong"
-    rec["check"] = check
-    del s_out, judge, ref_s, ref_full
-    gc.collect()
+    del s_out, judge
 
-    # 5. timing
-    plan = [("fia", fia_fn, fia_first), ("sdpa", sdpa_fn, sdpa_first)]
-    if rec["reference"]["status"] == "ok":
-        plan.append(("reference", _fia_call(fia, inp, "reference"), rec["reference"]["first_call_s"]))
-    if check["status"] == "wrong":       # a benchmark of a wrong answer is refused
+    plan = [("fia", fia_fn), ("sdpa", sdpa_fn), ("reference", _fia_call(fia, inp, "reference"))]
+    if check["status"] == "wrong":         # a benchmark of a wrong answer is refused
         plan = []
         for name in ("sdpa", "reference"):
             if rec[name]["status"] == "ok":
                 rec[name]["status"] = "skipped: FIA output wrong"
-    for name, fn, first in plan:
+    for name, fn in plan:
         if rec[name]["status"] != "ok":
             continue
         phase(f"time {name}")
-        budget = opts.time_budget_s
-        rec[name].update(timeit(fn, opts.repeats, budget, first))
+        rec[name].update(timeit(fn, opts.repeats, opts.time_budget_s, rec[name]["first_call_s"]))
         r = _rate(rec, rec[name]["median_ms"])
         rec[name].update(rate=r, pct_ceiling=100.0 * r / rec["ceiling"])
     if "median_ms" in rec["fia"] and "median_ms" in rec["sdpa"]:
         rec["speedup_vs_sdpa"] = rec["sdpa"]["median_ms"] / rec["fia"]["median_ms"]
     del inp, sl
-    gc.collect()
+    if case.input_bytes() > 64 << 20:      # tensors go by refcount; this only clears stray cycles (~0.2 s)
+        gc.collect()
     return rec
 
 

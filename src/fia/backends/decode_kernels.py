@@ -1,0 +1,999 @@
+"""Numba kernels of the decode backend (see decode.py for the plan that feeds them).
+
+CPU only. Everything accumulates in float32. Half-precision data is read in place as uint16 bit
+patterns (numba has no float16): bf16 -> f32 is `bits << 16`; fp16 -> f32 is the bit-level widening
+below (subnormals, inf and nan included). int8 is widened, int4 (eight nibbles per int32, low nibble
+first, SPEC 10.4) is unpacked per row. Nothing is converted or copied ahead of the loop: each key row
+is converted into a small float32 chunk buffer that stays in L1, used, and overwritten.
+
+Work item = (work entry w, KV head h): query group i = work_i[w] (one batch, or a group of batches
+for the shared prefix), its R = G * Q_S rows of KV head h, keys at positions [work_lo[w], work_hi[w])
+of one KV source. The item streams its keys in chunks of C: K chunk -> scores [R, C] -> online
+softmax -> V chunk -> acc [R, Dv]; it writes an unnormalized partial (acc, running max m, sum l).
+`merge` combines the partials of every row through their LSEs (split-KV, shared prefix, sink).
+
+Dequantization is folded out of the inner loops (SPEC 10: x = (x_q + offset) * scale):
+* per-channel / per-tensor / per-head key: q~ = q * scale_k and qadd = q~ . offset_k are prepared by
+  the caller, so the loop computes q~ . k_q + qadd;
+* per-token key: s = (q . k_q + offset_j * sum(q)) * scale_j;
+* per-token value: weights p_j * scale_j, plus p_j * scale_j * offset_j added to every channel;
+* per-channel value: applied once per row in `merge`: out = scale_v * (acc + offset_v * sum p) / L.
+
+Integer parameters travel in one int64 array `ip` (indices below) to keep the call overhead low.
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import carray, njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+# fastmath without nnan / ninf: NaN and Inf in the inputs must propagate (SPEC 14)
+FM = {"reassoc", "contract", "nsz", "arcp"}
+MASK_FILL = np.float32(-1e12)
+
+# element kinds of a buffer (every buffer reaches the kernels as bytes)
+KIND_F32, KIND_BF16, KIND_FP16, KIND_I8, KIND_I4 = 0, 1, 2, 3, 4
+
+# ---------------------------------------------------------------------------------------------- ip layout
+(IP_R0, IP_BPG, IP_R, IP_B, IP_G, IP_QS, IP_H, IP_D, IP_DR, IP_DV, IP_C, IP_BS) = (
+    0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)
+(IP_Q_KIND, IP_Q_SN, IP_Q_SS, IP_QR_KIND, IP_QR_SN, IP_QR_SS, IP_QD, IP_QD_SB, IP_QD_SN, IP_QD_SS, IP_KC_MODE) = (
+    12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22)
+(IP_K_BLK, IP_K_H, IP_K_S, IP_K_KIND, IP_R_BLK, IP_R_H, IP_R_S, IP_R_KIND, IP_V_BLK, IP_V_H, IP_V_S, IP_V_KIND) = (
+    23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34)
+(IP_KT_MODE, IP_KT_BS, IP_KT_BLK, IP_KT_H, IP_KT_S, IP_VT_MODE, IP_VT_BS, IP_VT_BLK, IP_VT_H, IP_VT_S) = (
+    35, 36, 37, 38, 39, 40, 41, 42, 43, 44)
+(IP_PSE_KIND, IP_PSE_B, IP_PSE_N, IP_PSE_S, IP_PSE_K, IP_MASK, IP_M_B, IP_M_S, IP_M_K, IP_BAND, IP_COL_BASE,
+ IP_WANT_ANY, IP_PREFIX_PASS) = (
+    45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57)
+IP_LEN = 58
+# rows of the per-batch geometry array geo [GEO_LEN, B]
+GEO_QLO, GEO_QHI, GEO_S2, GEO_PRE, GEO_NEXT, GEO_JOFS, GEO_QBASE, GEO_QRBASE = range(8)
+GEO_LEN = 8
+
+
+# buffers reach the kernels as (address, bytes) pairs: bufs int64 [2, BUF_LEN]
+(BUF_Q, BUF_QR, BUF_QDS, BUF_K, BUF_R, BUF_V, BUF_KTS, BUF_KTO, BUF_VTS, BUF_VTO, BUF_PSE, BUF_MASK) = range(12)
+BUF_LEN = 12
+
+
+@intrinsic
+def _addr_ptr(typingctx, addr):
+    """int64 address -> void* (the caller keeps the memory alive for the call)."""
+    sig = types.voidptr(types.int64)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], ir.IntType(8).as_pointer())
+    return sig, codegen
+
+
+@intrinsic
+def _fetch_add(typingctx, arr, idx, val):
+    """Atomic arr[idx] += val on an int64 array; returns the old value (work sharing between threads)."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.int64):
+        return None
+    sig = types.int64(arr, types.intp, types.int64)
+
+    def codegen(context, builder, signature, args):
+        aryty = signature.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]])
+        return builder.atomic_rmw("add", ptr, args[2], "monotonic")
+    return sig, codegen
+
+
+@njit(cache=True)
+def buf_bytes(bufs, k):
+    """Buffer k as a uint8 array (no copy)."""
+    return carray(_addr_ptr(bufs[0, k]), (bufs[1, k],), np.uint8)
+
+
+@njit(cache=True)
+def buf_f32(bufs, k):
+    """Buffer k as a float32 array (no copy)."""
+    return carray(_addr_ptr(bufs[0, k]), (bufs[1, k] // 4,), np.float32)
+
+
+# ---------------------------------------------------------------------------------------------- bit casts
+@intrinsic
+def _u32_as_f32(typingctx, x):
+    sig = types.float32(types.uint32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return sig, codegen
+
+
+@intrinsic
+def _f32_as_u32(typingctx, x):
+    sig = types.uint32(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+    return sig, codegen
+
+
+@njit(fastmath=FM, cache=True)
+def bf16_to_f32(h):
+    return _u32_as_f32(np.uint32(np.uint32(h) << np.uint32(16)))
+
+
+@intrinsic
+def _half_bits_to_f32(typingctx, x):
+    """IEEE half bits -> float32 through LLVM's `fpext half` (one vcvtph2ps per 8 values with F16C)."""
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return sig, codegen
+
+
+def _has_f16c() -> bool:
+    try:
+        import platform
+
+        from llvmlite import binding as llvm
+        if platform.machine().lower() in ("aarch64", "arm64"):
+            return True                                  # native half conversions
+        return bool(llvm.get_host_cpu_features().get("f16c", False))
+    except Exception:  # pragma: no cover
+        return False
+
+
+HAVE_F16C = _has_f16c()
+
+
+@njit(fastmath=FM, cache=True)
+def _fp16_bits_to_f32(h):
+    """IEEE half bits -> float32 by integer arithmetic (CPUs without F16C), exact for normals,
+    subnormals, zeros, inf and nan."""
+    x = np.uint32(h)
+    em = x & np.uint32(0x7FFF)
+    # exponent/mantissa shifted into float32 position is the value times 2^-112 (normals and
+    # subnormals alike): rescale by 2^112
+    f = _u32_as_f32(np.uint32(em << np.uint32(13))) * np.float32(5.192296858534828e33)
+    if em >= np.uint32(0x7C00):                      # inf / nan: all-ones exponent, payload kept
+        f = _u32_as_f32(np.uint32((em << np.uint32(13)) | np.uint32(0x7F800000)))
+    return _u32_as_f32(np.uint32(_f32_as_u32(f) | ((x & np.uint32(0x8000)) << np.uint32(16))))
+
+
+@njit(fastmath=FM, cache=True)
+def _fp16_hw_to_f32(h):
+    return _half_bits_to_f32(np.uint16(h))
+
+
+fp16_to_f32 = _fp16_hw_to_f32 if HAVE_F16C else _fp16_bits_to_f32
+
+
+@intrinsic
+def _f32_to_half_bits(typingctx, x):
+    """float32 -> IEEE half bits (round to nearest even; vcvtps2ph with F16C)."""
+    sig = types.uint16(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+    return sig, codegen
+
+
+@njit(fastmath=FM, cache=True)
+def f32_to_bf16_bits(x):
+    """float32 -> bfloat16 bits, round to nearest even; NaN stays a (quiet) NaN."""
+    u = _f32_as_u32(x)
+    if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        return np.uint16((u >> np.uint32(16)) | np.uint32(0x40))
+    u = u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
+    return np.uint16(u >> np.uint32(16))
+
+
+@njit(fastmath=FM, cache=True)
+def fexp(x):
+    """exp(x) in float32 for x <= 0 (vectorizable; rel. error ~1e-7). NaN propagates; x < -87 -> 0."""
+    xc = np.float32(-87.0) if x < np.float32(-87.0) else x
+    t = np.floor(xc * np.float32(1.4426950408889634) + np.float32(0.5))
+    r = xc - t * np.float32(0.693145751953125)
+    r = r - t * np.float32(1.428606765330187045e-06)
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    p = p * r * r + r + np.float32(1.0)
+    e = _u32_as_f32(np.uint32((np.int32(t) + np.int32(127)) << np.int32(23)))
+    v = p * e
+    return np.float32(0.0) if x < np.float32(-87.0) else v
+
+
+# ---------------------------------------------------------------------------------------------- row loads
+# Hot loops index 2-D arrays directly (a[r, d]) and never take row views: a view costs an atomic
+# reference count update, and those serialize threads that share an array.
+@njit(fastmath=FM, cache=True)
+def views(buf):
+    """The typed views of a byte buffer: (int8, uint16, int32, float32), each cut to whole elements.
+    One kernel specialization serves every dtype: the dtype is a runtime `kind`."""
+    n = buf.shape[0]
+    return (buf.view(np.int8), buf[:n - n % 2].view(np.uint16), buf[:n - n % 4].view(np.int32),
+            buf[:n - n % 4].view(np.float32))
+
+
+@njit(fastmath=FM, cache=True)
+def load_rows(b8, b16, b32, bf, offs, nr, kind, dst, d0, n):
+    """dst[c, d0:d0 + n] = float32 of the n logical elements at element offs[c] of the buffer, c < nr
+    (element = one value of its kind; int4: one int32 holding eight values).
+
+    Indices are unsigned on purpose: a signed computed index makes numba emit a wraparound select
+    per element, which stops LLVM from vectorizing the loop (10x slower)."""
+    n_ = np.uint64(n)
+    d0_ = np.uint64(d0)
+    if kind == KIND_BF16:
+        for c in range(nr):
+            o = np.uint64(offs[c])
+            for d in range(n_):
+                dst[c, d0_ + d] = bf16_to_f32(b16[o + d])
+    elif kind == KIND_FP16:
+        for c in range(nr):
+            o = np.uint64(offs[c])
+            for d in range(n_):
+                dst[c, d0_ + d] = fp16_to_f32(b16[o + d])
+    elif kind == KIND_I8:
+        for c in range(nr):
+            o = np.uint64(offs[c])
+            for d in range(n_):
+                dst[c, d0_ + d] = np.float32(b8[o + d])
+    elif kind == KIND_I4:
+        # eight values per int32, low nibble first (SPEC 10.4): on a little-endian machine byte k of a
+        # row holds value 2k in its low and value 2k + 1 in its high nibble (two's complement each)
+        for c in range(nr):
+            o = np.uint64(offs[c]) * np.uint64(4)
+            for k in range(n_ // np.uint64(2)):
+                x = np.int32(b8[o + k])                  # sign-extended byte
+                lo = x & 0xF
+                dst[c, d0_ + np.uint64(2) * k] = np.float32(lo - ((lo & 8) << 1))
+                dst[c, d0_ + np.uint64(2) * k + np.uint64(1)] = np.float32(x >> 4)
+    else:
+        for c in range(nr):
+            o = np.uint64(offs[c])
+            for d in range(n_):
+                dst[c, d0_ + d] = bf[o + d]
+
+
+# ---------------------------------------------------------------------------------------------- QK / PV
+@njit(fastmath=FM, cache=True)
+def qk_block(q, kf, s, R, n, dq):
+    """s[r, c] = q[r, :dq] . kf[c, :dq] for r < R, c < n (2 rows x 4 keys per block)."""
+    r = 0
+    while r + 1 < R:
+        c = 0
+        while c + 3 < n:
+            a00 = np.float32(0.0); a01 = np.float32(0.0); a02 = np.float32(0.0); a03 = np.float32(0.0)  # noqa
+            a10 = np.float32(0.0); a11 = np.float32(0.0); a12 = np.float32(0.0); a13 = np.float32(0.0)  # noqa
+            for d in range(dq):
+                x0 = q[r, d]
+                x1 = q[r + 1, d]
+                y0 = kf[c, d]
+                y1 = kf[c + 1, d]
+                y2 = kf[c + 2, d]
+                y3 = kf[c + 3, d]
+                a00 += x0 * y0; a01 += x0 * y1; a02 += x0 * y2; a03 += x0 * y3  # noqa: E702
+                a10 += x1 * y0; a11 += x1 * y1; a12 += x1 * y2; a13 += x1 * y3  # noqa: E702
+            s[r, c] = a00; s[r, c + 1] = a01; s[r, c + 2] = a02; s[r, c + 3] = a03  # noqa: E702
+            s[r + 1, c] = a10; s[r + 1, c + 1] = a11; s[r + 1, c + 2] = a12; s[r + 1, c + 3] = a13  # noqa
+            c += 4
+        while c < n:
+            a0 = np.float32(0.0)
+            a1 = np.float32(0.0)
+            for d in range(dq):
+                y = kf[c, d]
+                a0 += q[r, d] * y
+                a1 += q[r + 1, d] * y
+            s[r, c] = a0
+            s[r + 1, c] = a1
+            c += 1
+        r += 2
+    if r < R:
+        c = 0
+        while c + 3 < n:
+            a0 = np.float32(0.0); a1 = np.float32(0.0); a2 = np.float32(0.0); a3 = np.float32(0.0)  # noqa
+            for d in range(dq):
+                x0 = q[r, d]
+                a0 += x0 * kf[c, d]; a1 += x0 * kf[c + 1, d]; a2 += x0 * kf[c + 2, d]; a3 += x0 * kf[c + 3, d]  # noqa
+            s[r, c] = a0; s[r, c + 1] = a1; s[r, c + 2] = a2; s[r, c + 3] = a3  # noqa: E702
+            c += 4
+        while c < n:
+            a0 = np.float32(0.0)
+            for d in range(dq):
+                a0 += q[r, d] * kf[c, d]
+            s[r, c] = a0
+            c += 1
+
+
+@njit(fastmath=FM, cache=True)
+def pv_block(p, vf, acc, R, n, dv):
+    """acc[r, :dv] += sum_c p[r, c] * vf[c, :dv] (2 rows x 4 keys per block)."""
+    c = 0
+    while c + 3 < n:
+        r = 0
+        while r + 1 < R:
+            p00 = p[r, c]; p01 = p[r, c + 1]; p02 = p[r, c + 2]; p03 = p[r, c + 3]  # noqa: E702
+            p10 = p[r + 1, c]; p11 = p[r + 1, c + 1]; p12 = p[r + 1, c + 2]; p13 = p[r + 1, c + 3]  # noqa: E702
+            for d in range(dv):
+                x0 = vf[c, d]
+                x1 = vf[c + 1, d]
+                x2 = vf[c + 2, d]
+                x3 = vf[c + 3, d]
+                acc[r, d] += p00 * x0 + p01 * x1 + p02 * x2 + p03 * x3
+                acc[r + 1, d] += p10 * x0 + p11 * x1 + p12 * x2 + p13 * x3
+            r += 2
+        if r < R:
+            p00 = p[r, c]; p01 = p[r, c + 1]; p02 = p[r, c + 2]; p03 = p[r, c + 3]  # noqa: E702
+            for d in range(dv):
+                acc[r, d] += p00 * vf[c, d] + p01 * vf[c + 1, d] + p02 * vf[c + 2, d] + p03 * vf[c + 3, d]
+        c += 4
+    while c < n:
+        for r in range(R):
+            pr = p[r, c]
+            for d in range(dv):
+                acc[r, d] += pr * vf[c, d]
+        c += 1
+
+
+# ---------------------------------------------------------------------------------------------- fused
+# bf16 / fp16 / int8 K and V straight from the cache: each element is widened where it is used, the
+# 4 query rows of a block share every widened K/V vector (no conversion pass, no float32 chunk).
+def cvt(buf, i, kind):
+    """float32 of element i of a buffer whose element type says the format: uint16 = bf16, int16 =
+    fp16 (bit patterns), int8 = int8. Resolved at compile time: no per-element branch."""
+
+
+@overload(cvt, jit_options={"fastmath": FM})
+def _cvt_impl(buf, i, kind):
+    if buf.dtype == types.uint16:
+        def impl(buf, i, kind):
+            return bf16_to_f32(buf[i])
+        return impl
+    if buf.dtype == types.int16:
+        def impl(buf, i, kind):
+            return fp16_to_f32(np.uint16(buf[i]))
+        return impl
+    if buf.dtype == types.int8:
+        def impl(buf, i, kind):
+            return np.float32(buf[i])
+        return impl
+    return None
+
+
+@njit(fastmath=FM, cache=True)
+def qk_fused(q, buf, kind, offs, n, s, R, D):
+    """s[r, c] = q[r, :D] . K[c, :D] with key c at element offs[c] of buf (blocks: 4 rows x 2 keys)."""
+    D_ = np.uint64(D)
+    r = 0
+    while r + 3 < R:
+        c = 0
+        while c + 1 < n:
+            o0 = np.uint64(offs[c])
+            o1 = np.uint64(offs[c + 1])
+            a00 = np.float32(0.0); a01 = np.float32(0.0); a10 = np.float32(0.0); a11 = np.float32(0.0)  # noqa
+            a20 = np.float32(0.0); a21 = np.float32(0.0); a30 = np.float32(0.0); a31 = np.float32(0.0)  # noqa
+            for d in range(D_):
+                y0 = cvt(buf, o0 + d, kind)
+                y1 = cvt(buf, o1 + d, kind)
+                x0 = q[r, d]
+                x1 = q[r + 1, d]
+                x2 = q[r + 2, d]
+                x3 = q[r + 3, d]
+                a00 += x0 * y0; a01 += x0 * y1; a10 += x1 * y0; a11 += x1 * y1  # noqa: E702
+                a20 += x2 * y0; a21 += x2 * y1; a30 += x3 * y0; a31 += x3 * y1  # noqa: E702
+            s[r, c] = a00; s[r, c + 1] = a01; s[r + 1, c] = a10; s[r + 1, c + 1] = a11  # noqa: E702
+            s[r + 2, c] = a20; s[r + 2, c + 1] = a21; s[r + 3, c] = a30; s[r + 3, c + 1] = a31  # noqa: E702
+            c += 2
+        if c < n:
+            o0 = np.uint64(offs[c])
+            a0 = np.float32(0.0); a1 = np.float32(0.0); a2 = np.float32(0.0); a3 = np.float32(0.0)  # noqa
+            for d in range(D_):
+                y0 = cvt(buf, o0 + d, kind)
+                a0 += q[r, d] * y0; a1 += q[r + 1, d] * y0; a2 += q[r + 2, d] * y0; a3 += q[r + 3, d] * y0  # noqa
+            s[r, c] = a0; s[r + 1, c] = a1; s[r + 2, c] = a2; s[r + 3, c] = a3  # noqa: E702
+        r += 4
+    while r < R:
+        c = 0
+        while c + 3 < n:
+            o0 = np.uint64(offs[c])
+            o1 = np.uint64(offs[c + 1])
+            o2 = np.uint64(offs[c + 2])
+            o3 = np.uint64(offs[c + 3])
+            a0 = np.float32(0.0); a1 = np.float32(0.0); a2 = np.float32(0.0); a3 = np.float32(0.0)  # noqa
+            for d in range(D_):
+                x0 = q[r, d]
+                a0 += x0 * cvt(buf, o0 + d, kind); a1 += x0 * cvt(buf, o1 + d, kind)  # noqa: E702
+                a2 += x0 * cvt(buf, o2 + d, kind); a3 += x0 * cvt(buf, o3 + d, kind)  # noqa: E702
+            s[r, c] = a0; s[r, c + 1] = a1; s[r, c + 2] = a2; s[r, c + 3] = a3  # noqa: E702
+            c += 4
+        while c < n:
+            o0 = np.uint64(offs[c])
+            a0 = np.float32(0.0)
+            for d in range(D_):
+                a0 += q[r, d] * cvt(buf, o0 + d, kind)
+            s[r, c] = a0
+            c += 1
+        r += 1
+
+
+@njit(fastmath=FM, cache=True)
+def pv_fused(p, buf, kind, offs, n, acc, R, Dv):
+    """acc[r, :Dv] += sum_c p[r, c] * V[c, :Dv] with value c at element offs[c] of buf
+    (blocks: 4 rows x 4 keys)."""
+    Dv_ = np.uint64(Dv)
+    r = 0
+    while r + 3 < R:
+        c = 0
+        while c + 3 < n:
+            o0 = np.uint64(offs[c])
+            o1 = np.uint64(offs[c + 1])
+            o2 = np.uint64(offs[c + 2])
+            o3 = np.uint64(offs[c + 3])
+            p00 = p[r, c]; p01 = p[r, c + 1]; p02 = p[r, c + 2]; p03 = p[r, c + 3]  # noqa: E702
+            p10 = p[r + 1, c]; p11 = p[r + 1, c + 1]; p12 = p[r + 1, c + 2]; p13 = p[r + 1, c + 3]  # noqa
+            p20 = p[r + 2, c]; p21 = p[r + 2, c + 1]; p22 = p[r + 2, c + 2]; p23 = p[r + 2, c + 3]  # noqa
+            p30 = p[r + 3, c]; p31 = p[r + 3, c + 1]; p32 = p[r + 3, c + 2]; p33 = p[r + 3, c + 3]  # noqa
+            for d in range(Dv_):
+                y0 = cvt(buf, o0 + d, kind)
+                y1 = cvt(buf, o1 + d, kind)
+                y2 = cvt(buf, o2 + d, kind)
+                y3 = cvt(buf, o3 + d, kind)
+                acc[r, d] += p00 * y0 + p01 * y1 + p02 * y2 + p03 * y3
+                acc[r + 1, d] += p10 * y0 + p11 * y1 + p12 * y2 + p13 * y3
+                acc[r + 2, d] += p20 * y0 + p21 * y1 + p22 * y2 + p23 * y3
+                acc[r + 3, d] += p30 * y0 + p31 * y1 + p32 * y2 + p33 * y3
+            c += 4
+        while c < n:
+            o0 = np.uint64(offs[c])
+            p00 = p[r, c]; p10 = p[r + 1, c]; p20 = p[r + 2, c]; p30 = p[r + 3, c]  # noqa: E702
+            for d in range(Dv_):
+                y0 = cvt(buf, o0 + d, kind)
+                acc[r, d] += p00 * y0
+                acc[r + 1, d] += p10 * y0
+                acc[r + 2, d] += p20 * y0
+                acc[r + 3, d] += p30 * y0
+            c += 1
+        r += 4
+    while r < R:
+        c = 0
+        while c + 3 < n:
+            o0 = np.uint64(offs[c])
+            o1 = np.uint64(offs[c + 1])
+            o2 = np.uint64(offs[c + 2])
+            o3 = np.uint64(offs[c + 3])
+            p00 = p[r, c]; p01 = p[r, c + 1]; p02 = p[r, c + 2]; p03 = p[r, c + 3]  # noqa: E702
+            for d in range(Dv_):
+                acc[r, d] += (p00 * cvt(buf, o0 + d, kind) + p01 * cvt(buf, o1 + d, kind)
+                              + p02 * cvt(buf, o2 + d, kind) + p03 * cvt(buf, o3 + d, kind))
+            c += 4
+        while c < n:
+            o0 = np.uint64(offs[c])
+            p00 = p[r, c]
+            for d in range(Dv_):
+                acc[r, d] += p00 * cvt(buf, o0 + d, kind)
+            c += 1
+        r += 1
+
+
+# ---------------------------------------------------------------------------------------------- the pass
+@njit(fastmath=FM, cache=True)
+def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbuf,
+          kt_tbl, kts, kto, vt_tbl, vts, vto, pse, mask, po, pm, pl, pany,
+          qv, qa, qs, rb, rn, rs, tmp, offs, kf, vf, s, vx, koff, voff, roff, tsk, tok, tsv, tov, generic):
+    R0 = ip[IP_R0]
+    BPG = ip[IP_BPG]
+    R = ip[IP_R]
+    B = ip[IP_B]
+    G = ip[IP_G]
+    QS = ip[IP_QS]
+    D = ip[IP_D]
+    Dr = ip[IP_DR]
+    Dv = ip[IP_DV]
+    dq = D + Dr
+    C = ip[IP_C]
+    bs = ip[IP_BS]
+    i = work[0, w]
+    lo = work[1, w]
+    hi = work[2, w]
+    acc = po[w, h]                                         # [R, Dv]
+    m = pm[w, h]                                           # [R]
+    ll = pl[w, h]                                          # [R]
+    anyu = pany[w, h]                                      # [R]
+    for r in range(R):
+        m[r] = -np.inf
+        ll[r] = 0.0
+        anyu[r] = 0
+        for d in range(Dv):
+            acc[r, d] = 0.0
+    if hi <= lo:
+        return
+    k8, k16, k32, kfl = views(kbuf)
+    v8, v16, v32, vfl = views(vbuf)
+    r8, r16, r32, rfl = views(rbuf)
+    p8, p16, p32, pfl = views(pse)
+
+    # ---- the item's query rows: r = (batch in group) * R0 + g * Q_S + s, head n = h * G + g.
+    # q = query * scale (* dequant_scale_query) (* per-channel key scale); rows outside the query
+    # window stay 0 (never computed, merge writes their 0 / +inf).
+    # (scratch: qv [R, dq], qa / qs [R]; rb / rn / rs [R]: batch, query head, physical row of a row)
+    scale = np.float32(fp[0])
+    kc_mode = ip[IP_KC_MODE]
+    q8, q16, q32, qfl = views(qbuf)
+    qr8, qr16, qr32, qrfl = views(qrbuf)
+    for r in range(R):
+        bl = r // R0
+        b = i * BPG + bl
+        rem = r - bl * R0
+        g = rem // QS
+        si = rem - g * QS
+        n = h * G + g
+        if b >= B:
+            b = B - 1
+        rb[r] = b
+        rn[r] = n
+        rs[r] = si
+        qa[r] = 0.0
+        qs[r] = 0.0
+        if si < geo[GEO_QLO, b] or si >= geo[GEO_QHI, b]:
+            for d in range(dq):
+                qv[r, d] = 0.0
+            continue
+        offs[0] = geo[GEO_QBASE, b] + n * ip[IP_Q_SN] + si * ip[IP_Q_SS]
+        load_rows(q8, q16, q32, qfl, offs, 1, ip[IP_Q_KIND], tmp, 0, D)
+        if Dr > 0:
+            offs[0] = geo[GEO_QRBASE, b] + n * ip[IP_QR_SN] + si * ip[IP_QR_SS]
+            load_rows(qr8, qr16, qr32, qrfl, offs, 1, ip[IP_QR_KIND], tmp, D, Dr)
+        f = scale
+        if ip[IP_QD] != 0:
+            f = f * qds[b * ip[IP_QD_SB] + n * ip[IP_QD_SN] + si * ip[IP_QD_SS]]
+        for d in range(dq):
+            qv[r, d] = tmp[0, d] * f
+        if kc_mode != 0:
+            for d in range(D):
+                qv[r, d] *= kchan[0, h, d]
+            if kc_mode == 2:
+                t = np.float32(0.0)
+                for d in range(D):
+                    t += qv[r, d] * kchan[1, h, d]
+                qa[r] = t
+        t = np.float32(0.0)
+        for d in range(D):
+            t += qv[r, d]
+        qs[r] = t
+
+    for r in range(R):
+        vx[r] = 0.0
+    k_blk = ip[IP_K_BLK]
+    k_h = ip[IP_K_H]
+    k_s = ip[IP_K_S]
+    k_kind = ip[IP_K_KIND]
+    r_blk = ip[IP_R_BLK]
+    r_h = ip[IP_R_H]
+    r_s = ip[IP_R_S]
+    r_kind = ip[IP_R_KIND]
+    v_blk = ip[IP_V_BLK]
+    v_h = ip[IP_V_H]
+    v_s = ip[IP_V_S]
+    v_kind = ip[IP_V_KIND]
+    kt_mode = ip[IP_KT_MODE]
+    vt_mode = ip[IP_VT_MODE]
+    pse_kind = ip[IP_PSE_KIND]            # -1: no pse
+    has_mask = ip[IP_MASK]
+    has_band = ip[IP_BAND]
+    col_base = ip[IP_COL_BASE]
+    want_any = ip[IP_WANT_ANY]
+    prefix_pass = ip[IP_PREFIX_PASS]
+    for c0 in range(lo, hi, C):
+        n = min(C, hi - c0)
+        n_ = np.uint64(n)
+        # ---- element offsets of the chunk's keys, one block segment at a time (affine inside a block)
+        bi = c0 // bs
+        sl = c0 - bi * bs
+        c = 0
+        while c < n:
+            seg = min(n - c, bs - sl)
+            blk = tbl[i, bi]
+            kb = blk * k_blk + h * k_h + sl * k_s
+            vb = blk * v_blk + h * v_h + sl * v_s
+            for j in range(seg):
+                koff[c + j] = kb + j * k_s
+                voff[c + j] = vb + j * v_s
+            if Dr > 0:
+                rbase = blk * r_blk + h * r_h + sl * r_s
+                for j in range(seg):
+                    roff[c + j] = rbase + j * r_s
+            c += seg
+            sl += seg
+            if sl == bs:
+                sl = 0
+                bi += 1
+        if kt_mode != 0:
+            tb = ip[IP_KT_BS]
+            bi = c0 // tb
+            sl = c0 - bi * tb
+            for c in range(n):
+                o = kt_tbl[i, bi] * ip[IP_KT_BLK] + h * ip[IP_KT_H] + sl * ip[IP_KT_S]
+                tsk[c] = kts[o]
+                if kt_mode == 2:
+                    tok[c] = kto[o]
+                sl += 1
+                if sl == tb:
+                    sl = 0
+                    bi += 1
+        if vt_mode != 0:
+            tb = ip[IP_VT_BS]
+            bi = c0 // tb
+            sl = c0 - bi * tb
+            for c in range(n):
+                o = vt_tbl[i, bi] * ip[IP_VT_BLK] + h * ip[IP_VT_H] + sl * ip[IP_VT_S]
+                tsv[c] = vts[o]
+                if vt_mode == 2:
+                    tov[c] = vto[o]
+                sl += 1
+                if sl == tb:
+                    sl = 0
+                    bi += 1
+        # ---- K chunk -> scores (the softmax scale is folded into q)
+        if generic is None:
+            # the fused-only build (bf16 / fp16 / int8 K and V, no rope): numba prunes every other
+            # branch when `generic` is None, which halves the first-call compile time
+            if k_kind == KIND_BF16:
+                qk_fused(qv, k16, k_kind, koff, n, s, R, D)
+            elif k_kind == KIND_FP16:
+                qk_fused(qv, k16.view(np.int16), k_kind, koff, n, s, R, D)
+            else:
+                qk_fused(qv, k8, k_kind, koff, n, s, R, D)
+        elif Dr == 0 and k_kind == KIND_BF16:
+            qk_fused(qv, k16, k_kind, koff, n, s, R, D)
+        elif Dr == 0 and k_kind == KIND_FP16:
+            qk_fused(qv, k16.view(np.int16), k_kind, koff, n, s, R, D)
+        elif Dr == 0 and k_kind == KIND_I8:
+            qk_fused(qv, k8, k_kind, koff, n, s, R, D)
+        else:
+            load_rows(k8, k16, k32, kfl, koff, n, k_kind, kf, 0, D)
+            if Dr > 0:
+                load_rows(r8, r16, r32, rfl, roff, n, r_kind, kf, D, Dr)
+            qk_block(qv, kf, s, R, n, dq)
+        if kt_mode != 0:
+            for r in range(R):
+                qsr = qs[r]
+                for c in range(n):
+                    s[r, c] = (s[r, c] + tok[c] * qsr) * tsk[c]
+        elif kc_mode == 2:
+            for r in range(R):
+                qar = qa[r]
+                for c in range(n):
+                    s[r, c] += qar
+        if pse_kind >= 0:
+            sk = np.uint64(ip[IP_PSE_K])
+            for r in range(R):
+                base = (rb[r] * ip[IP_PSE_B] + rn[r] * ip[IP_PSE_N] + rs[r] * ip[IP_PSE_S]
+                        + (col_base + c0) * ip[IP_PSE_K])
+                ub = np.uint64(base)
+                if pse_kind == KIND_F32:
+                    for c in range(n_):
+                        s[r, c] += pfl[ub + c * sk]
+                elif pse_kind == KIND_BF16:
+                    for c in range(n_):
+                        s[r, c] += bf16_to_f32(p16[ub + c * sk])
+                else:
+                    for c in range(n_):
+                        s[r, c] += fp16_to_f32(p16[ub + c * sk])
+        if has_mask != 0 or has_band != 0:
+            mk = np.uint64(ip[IP_M_K])
+            for r in range(R):
+                b = rb[r]
+                il = rs[r] - geo[GEO_QLO, b]
+                pre = geo[GEO_PRE, b]
+                nxt = geo[GEO_NEXT, b]
+                j0 = c0 if prefix_pass != 0 else geo[GEO_JOFS, b] + c0
+                mbase = np.uint64(b * ip[IP_M_B] + rs[r] * ip[IP_M_S] + (col_base + c0) * ip[IP_M_K])
+                seen = 0
+                for c in range(n):
+                    hide = False
+                    if has_mask != 0 and mask[mbase + np.uint64(c) * mk] != 0:
+                        hide = True
+                    if has_band != 0:
+                        j = j0 + c
+                        if j > il + nxt or j < il - pre:
+                            hide = True
+                    if hide:
+                        s[r, c] = MASK_FILL
+                    else:
+                        seen = 1
+                if want_any != 0 and seen != 0:
+                    anyu[r] = 1
+        # ---- online softmax over the chunk
+        for r in range(R):
+            mo = m[r]
+            mx = mo
+            for c in range(n):
+                x = s[r, c]
+                if x > mx:
+                    mx = x
+            alpha = fexp(mo - mx)
+            ls = np.float32(0.0)
+            for c in range(n):
+                e = fexp(s[r, c] - mx)
+                s[r, c] = e
+                ls += e
+            ll[r] = ll[r] * alpha + ls
+            m[r] = mx
+            if alpha != np.float32(1.0):
+                vx[r] *= alpha
+                for d in range(Dv):
+                    acc[r, d] *= alpha
+        # ---- V chunk -> acc
+        if vt_mode != 0:
+            for r in range(R):
+                for c in range(n):
+                    s[r, c] *= tsv[c]
+                if vt_mode == 2:
+                    t = np.float32(0.0)
+                    for c in range(n):
+                        t += s[r, c] * tov[c]
+                    vx[r] += t
+        if generic is None:
+            if v_kind == KIND_BF16:
+                pv_fused(s, v16, v_kind, voff, n, acc, R, Dv)
+            elif v_kind == KIND_FP16:
+                pv_fused(s, v16.view(np.int16), v_kind, voff, n, acc, R, Dv)
+            else:
+                pv_fused(s, v8, v_kind, voff, n, acc, R, Dv)
+        elif v_kind == KIND_BF16:
+            pv_fused(s, v16, v_kind, voff, n, acc, R, Dv)
+        elif v_kind == KIND_FP16:
+            pv_fused(s, v16.view(np.int16), v_kind, voff, n, acc, R, Dv)
+        elif v_kind == KIND_I8:
+            pv_fused(s, v8, v_kind, voff, n, acc, R, Dv)
+        else:
+            load_rows(v8, v16, v32, vfl, voff, n, v_kind, vf, 0, Dv)
+            pv_block(s, vf, acc, R, n, Dv)
+    if vt_mode == 2:
+        for r in range(R):
+            x = vx[r]
+            for d in range(Dv):
+                acc[r, d] += x
+
+
+@njit(nogil=True, fastmath=FM, cache=True)
+def attend_items(items, counter, ip, fp, geo, work, tbl, bufs, kchan, kt_tbl, vt_tbl, po, pm, pl, pany,
+                 generic):
+    """Items (w * KV_N + h) without the GIL. Every thread running this call takes the next item of
+    `items` (longest first) through the shared atomic `counter` until none is left: dynamic
+    scheduling, so a thread that loses its core to another process does not hold up the call.
+    Buffers come as (address, bytes) in `bufs` (see BUF_*). `generic`: None compiles (and runs) only
+    the fused bf16 / fp16 / int8 paths; an array (any) adds float32, int4 and MLA-rope K/V."""
+    H = ip[IP_H]
+    R = ip[IP_R]
+    dq = ip[IP_D] + ip[IP_DR]
+    Dv = ip[IP_DV]
+    C = ip[IP_C]
+    qbuf = buf_bytes(bufs, BUF_Q)
+    qrbuf = buf_bytes(bufs, BUF_QR)
+    qds = buf_f32(bufs, BUF_QDS)
+    kbuf = buf_bytes(bufs, BUF_K)
+    rbuf = buf_bytes(bufs, BUF_R)
+    vbuf = buf_bytes(bufs, BUF_V)
+    kts = buf_f32(bufs, BUF_KTS)
+    kto = buf_f32(bufs, BUF_KTO)
+    vts = buf_f32(bufs, BUF_VTS)
+    vto = buf_f32(bufs, BUF_VTO)
+    pse = buf_bytes(bufs, BUF_PSE)
+    mask = buf_bytes(bufs, BUF_MASK)
+    # scratch, once per call (per thread)
+    qv = np.zeros((R, dq), np.float32)
+    qa = np.zeros(R, np.float32)
+    qs = np.zeros(R, np.float32)
+    rb = np.zeros(R, np.int64)
+    rn = np.zeros(R, np.int64)
+    rs = np.zeros(R, np.int64)
+    tmp = np.zeros((1, dq), np.float32)
+    offs = np.zeros(1, np.int64)
+    kf = np.empty((C, dq), np.float32)
+    vf = np.empty((C, Dv), np.float32)
+    s = np.empty((R, C), np.float32)
+    vx = np.zeros(R, np.float32)
+    koff = np.zeros(C, np.int64)
+    voff = np.zeros(C, np.int64)
+    roff = np.zeros(C, np.int64)
+    tsk = np.ones(C, np.float32)
+    tok = np.zeros(C, np.float32)
+    tsv = np.ones(C, np.float32)
+    tov = np.zeros(C, np.float32)
+    n_items = items.shape[0]
+    while True:
+        t = _fetch_add(counter, 0, 1)
+        if t >= n_items:
+            break
+        it = items[t]
+        _item(it // H, it % H, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbuf,
+              kt_tbl, kts, kto, vt_tbl, vts, vto, pse, mask, po, pm, pl, pany,
+              qv, qa, qs, rb, rn, rs, tmp, offs, kf, vf, s, vx, koff, voff, roff, tsk, tok, tsv, tov, generic)
+
+
+# ---------------------------------------------------------------------------------------------- planning
+@njit(nogil=True, cache=True)
+def split_work(lens, lo, H, threads, C, min_split, per_thread):
+    """Work entries [3, W] (group, lo, hi) covering [lo_i, lo_i + lens_i) of every group i, and
+    wrange [2, NI] (first entry, end) per group. Sequences longer than the split length L are cut so
+    that there are about `per_thread` items (entries x KV heads) per thread; L is a multiple of C."""
+    ni = lens.shape[0]
+    total = 0
+    for i in range(ni):
+        total += lens[i]
+    wrange = np.zeros((2, ni), np.int64)
+    if total <= 0:
+        return np.zeros((3, 0), np.int64), wrange
+    L = max(min_split, -(-(H * total) // (threads * per_thread)))
+    L = -(-L // C) * C
+    W = 0
+    for i in range(ni):
+        if lens[i] > 0:
+            W += -(-lens[i] // L)
+    work = np.empty((3, W), np.int64)
+    w = 0
+    for i in range(ni):
+        wrange[0, i] = w
+        p = lo[i]
+        end = lo[i] + lens[i]
+        while p < end:
+            work[0, w] = i
+            work[1, w] = p
+            work[2, w] = min(p + L, end)
+            p += L
+            w += 1
+        wrange[1, i] = w
+    return work, wrange
+
+
+# ---------------------------------------------------------------------------------------------- merge
+@njit(nogil=True, fastmath=FM, cache=True)
+def merge(mp, geo, po, pm, pl, pany, wrange, ppo, ppm, ppl, ppany, pwrange, sink, vcs, vco, obase, obufs):
+    """Combine the partials of every row; normalize; dequantize per-channel V; special rows.
+
+    mp: int64 [B, G, Q_S, KV_N, has_prefix, has_sink, v_chan (0 none, 1 scale, 2 scale+offset),
+               row_fix (a row whose every key is masked is dead), prefix batches per group, has_band].
+    geo: the per-batch geometry (GEO_* rows). po/pm/pl/pany: own-key partials [W, KV_N, R(, Dv)];
+    wrange [2, B]: work entries of batch b. ppo/...: prefix partials [Wp, KV_N, Rp(, Dv)], pwrange
+    [2, groups]. sink [N] float32. vcs/vco [KV_N, Dv].
+    Output written in place, in the output layout and dtype (no epilogue copy): obufs [2, 2] holds
+    (address, bytes) of the output tensor (column 0) and the float32 lse (column 1); row s of head n
+    of batch b starts at element
+    obase[0, b] + n * mp[10] + s * mp[11] of out and obase[1, b] + n * mp[12] + s * mp[13] of lse;
+    rows s >= obase[2, b] do not exist (packed layouts); mp[14]: 0 float32, 1 bf16, 2 fp16 output.
+    A row is computed when it lies inside the query window, its batch has keys and the band leaves it
+    a key; every other row is 0 with lse +inf (SPEC 4, 6).
+    """
+    B = mp[0]
+    G = mp[1]
+    QS = mp[2]
+    H = mp[3]
+    has_prefix = mp[4]
+    has_sink = mp[5]
+    v_chan = mp[6]
+    row_fix = mp[7]
+    pbpg = mp[8]
+    has_band = mp[9]
+    R = G * QS
+    Dv = po.shape[3]
+    o_sn = mp[10]
+    o_ss = mp[11]
+    l_sn = mp[12]
+    l_ss = mp[13]
+    okind = mp[14]
+    out = buf_bytes(obufs, 0)
+    lse = buf_f32(obufs, 1)
+    nb = out.shape[0]
+    of = out[:nb - nb % 4].view(np.float32)
+    oh = out[:nb - nb % 2].view(np.uint16)
+    o = np.empty(Dv, np.float32)
+    for it in range(B * H):
+        b = it // H
+        h = it % H
+        for r in range(R):
+            g = r // QS
+            si = r - g * QS
+            n = h * G + g
+            if si >= obase[2, b]:
+                continue
+            ob = obase[0, b] + n * o_sn + si * o_ss
+            lb = obase[1, b] + n * l_sn + si * l_ss
+            ok = si >= geo[GEO_QLO, b] and si < geo[GEO_QHI, b] and geo[GEO_S2, b] > 0
+            if ok and has_band != 0:
+                il = si - geo[GEO_QLO, b]
+                jlo = max(0, il - geo[GEO_PRE, b])
+                jhi = min(geo[GEO_S2, b] - 1, il + geo[GEO_NEXT, b])
+                ok = jlo <= jhi
+            if not ok:
+                for d in range(Dv):
+                    o[d] = 0.0
+                _store(of, oh, okind, ob, o, Dv)
+                lse[lb] = np.inf
+                continue
+            # the running maximum over every non-empty partial (and the sink)
+            M = -np.inf
+            for w in range(wrange[0, b], wrange[1, b]):
+                lw = pl[w, h, r]
+                if lw > 0 or lw != lw:
+                    x = pm[w, h, r]
+                    if x > M or x != x:
+                        M = x
+            gi = 0
+            rp = 0
+            if has_prefix != 0:
+                gi = b // pbpg
+                rp = (b - gi * pbpg) * R + r
+                for w in range(pwrange[0, gi], pwrange[1, gi]):
+                    lw = ppl[w, h, rp]
+                    if lw > 0 or lw != lw:
+                        x = ppm[w, h, rp]
+                        if x > M or x != x:
+                            M = x
+            sk = np.float32(0.0)
+            if has_sink != 0:
+                sk = sink[n]
+                if sk > M:
+                    M = sk
+            lk = np.float32(0.0)
+            seen = 0
+            for d in range(Dv):
+                o[d] = 0.0
+            for w in range(wrange[0, b], wrange[1, b]):
+                lw = pl[w, h, r]
+                if lw > 0 or lw != lw:
+                    f = np.float32(np.exp(pm[w, h, r] - M))
+                    lk += lw * f
+                    for d in range(Dv):
+                        o[d] += po[w, h, r, d] * f
+                if pany[w, h, r] != 0:
+                    seen = 1
+            if has_prefix != 0:
+                for w in range(pwrange[0, gi], pwrange[1, gi]):
+                    lw = ppl[w, h, rp]
+                    if lw > 0 or lw != lw:
+                        f = np.float32(np.exp(ppm[w, h, rp] - M))
+                        lk += lw * f
+                        for d in range(Dv):
+                            o[d] += ppo[w, h, rp, d] * f
+                    if ppany[w, h, rp] != 0:
+                        seen = 1
+            if row_fix != 0 and seen == 0 and has_sink == 0:
+                for d in range(Dv):
+                    o[d] = 0.0
+                _store(of, oh, okind, ob, o, Dv)
+                lse[lb] = np.inf
+                continue
+            lt = lk
+            if has_sink != 0:
+                lt = lk + np.float32(np.exp(sk - M))
+            inv = np.float32(1.0) / lt
+            if v_chan == 0:
+                for d in range(Dv):
+                    o[d] = o[d] * inv
+            elif v_chan == 1:
+                for d in range(Dv):
+                    o[d] = (o[d] * vcs[h, d]) * inv
+            else:
+                for d in range(Dv):
+                    o[d] = ((o[d] + vco[h, d] * lk) * vcs[h, d]) * inv
+            _store(of, oh, okind, ob, o, Dv)
+            lse[lb] = M + np.float32(np.log(lt))
+
+
+@njit(fastmath=FM, cache=True)
+def _store(of, oh, okind, ob, o, Dv):
+    """One output row: float32, or rounded to bf16 / fp16 (round to nearest even, like torch)."""
+    if okind == 0:
+        for d in range(Dv):
+            of[ob + d] = o[d]
+    elif okind == KIND_BF16:
+        for d in range(Dv):
+            oh[ob + d] = f32_to_bf16_bits(o[d])
+    else:
+        for d in range(Dv):
+            oh[ob + d] = _f32_to_half_bits(o[d])

@@ -1,0 +1,68 @@
+"""`python -m fia.bench` / `fia-bench`: ceilings, then the case table, then the reports.
+
+  --quick          fewer / smaller cases, 3 repeats, tight budgets (< 2 minutes)
+  --out DIR        output directory for bench.json, bench.md, bench.png (default bench-results/)
+  --cases REGEX    run only the cases whose name matches (re.search), e.g. 'decode-bf16' or 'prefill.*s1024'
+  --repeats N      timed calls per implementation (default 10, quick 3; fewer when a call is slow)
+  --list           print the case names and exit
+  --demo           run the paged-KV decode loop of the README (fia.bench.demo) and exit
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import time
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="fia-bench", description="Benchmark FIA against torch SDPA on this machine.")
+    p.add_argument("--quick", action="store_true", help="small case table and few repeats (< 2 minutes)")
+    p.add_argument("--out", default="bench-results", help="output directory (default: bench-results)")
+    p.add_argument("--cases", default=None, metavar="REGEX", help="only cases whose name matches REGEX")
+    p.add_argument("--repeats", type=int, default=None, metavar="N", help="timed calls per implementation")
+    p.add_argument("--list", action="store_true", help="list the selected cases and exit")
+    p.add_argument("--demo", action="store_true", help="run the paged-KV decode demo and exit")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.demo:
+        from .demo import demo
+        demo()
+        return 0
+    from . import cases as C
+    table = C.quick_table() if args.quick else C.full_table()
+    table = C.select(table, args.cases)
+    if args.list:
+        print("\n".join(c.name for c in table))
+        return 0
+    if not table:
+        print(f"no case matches {args.cases!r}", file=sys.stderr)
+        return 2
+
+    import fia
+    from . import machine, report, runner
+    t0 = time.perf_counter()
+    started = datetime.datetime.now().isoformat(timespec="seconds")
+    print("measuring machine ceilings ...", flush=True)
+    ceil = machine.measure_ceilings(quick=args.quick)
+    cdict = ceil.to_dict()
+    print("\n".join(report.ceilings_lines(cdict)), flush=True)
+
+    opts = runner.Options.quick(args.repeats) if args.quick else runner.Options(repeats=args.repeats or 10)
+    records = runner.run_all(table, ceil, opts, fia, progress=not args.no_progress)
+    meta = {"argv": " ".join(["fia-bench"] + list(argv if argv is not None else sys.argv[1:])),
+            "started": started, "duration_s": time.perf_counter() - t0, "quick": args.quick,
+            "options": vars(opts), "fia_version": getattr(fia, "__version__", None)}
+    paths = report.write_all(records, cdict, meta, args.out)
+    print()
+    print(report.terminal_table(records, cdict))
+    print(f"\nwritten: {', '.join(paths.values())}  ({meta['duration_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""Explainable dispatch: fia.explain(...) says which backend would run and why the others cannot."""
+from typing import List
+
+import pytest
+import torch
+
+import fia
+from fia.backends import registry
+from fia.backends.base import Backend
+from fia.backends.reference import ReferenceBackend
+from util import gen, randn
+
+
+@pytest.fixture(autouse=True)
+def fia_backend():
+    """Interface tests check plumbing, not a backend: run once, with automatic backend selection."""
+    with fia.use_backend(None):
+        yield None
+
+
+def qkv(device="cpu"):
+    g = gen(700)
+    q, k, v = randn((2, 8, 1, 64), g), randn((2, 2, 128, 64), g), randn((2, 2, 128, 64), g)
+    return q.to(device), k.to(device), v.to(device)
+
+
+KW = dict(num_heads=8, num_key_value_heads=2, input_layout="BNSD", actual_seq_lengths_kv=[128, 50])
+
+
+class PickyBackend(Backend):
+    """A fast backend that only takes prefill calls with bfloat16 (stands in for the real fast backends)."""
+    name = "picky"
+    priority = 10
+
+    def not_supported_reasons(self, p) -> List[str]:
+        why = super().not_supported_reasons(p)
+        if p.is_decode:
+            why.append("decode (Q_S = 1) not supported")
+        if p.dtype != torch.bfloat16:
+            why.append(f"dtype {str(p.dtype).replace('torch.', '')} not in (bfloat16,)")
+        return why
+
+    def run(self, p):  # pragma: no cover - never selected here
+        raise AssertionError
+
+
+def spy_runs(monkeypatch):
+    """Record every backend run (whichever backends are registered)."""
+    calls = []
+    for b in registry.backends():
+        real = b.run
+        monkeypatch.setattr(b, "run", lambda p, real=real, name=b.name: calls.append(name) or real(p))
+    return calls
+
+
+def test_explain_supported_case(monkeypatch):
+    """With the registered backends: the report names the backend select() picks, computing nothing."""
+    calls = spy_runs(monkeypatch)
+    q, k, v = qkv()
+    rep = fia.explain(q, k, v, **KW)
+    assert isinstance(rep, fia.DispatchReport)
+    assert calls == []                                # nothing computed
+    assert rep.supported and list(rep.reasons) == [b.name for b in registry.backends()]
+    assert rep.reasons[rep.selected] == []
+    text = str(rep).splitlines()
+    assert text[0] == ("npu_fused_infer_attention_score: B=2 N=8 KV_N=2 Q_S=1 KV_S=128 D=64 Dv=64 float16 BNSD "
+                       "decode kv=dense")
+    assert text[1] == f"backend: {rep.selected}"
+    assert f"  {rep.selected}: can run (selected)" in text
+    for name, why in rep.reasons.items():             # one line per backend
+        assert any(line.startswith(f"  {name}: ") for line in text)
+    fia.npu_fused_infer_attention_score(q, k, v, **KW)
+    assert calls == [rep.selected]                    # the call runs the backend the report named
+
+
+def test_explain_exact_text(monkeypatch):
+    monkeypatch.setattr(registry, "_BACKENDS", [ReferenceBackend()])
+    q, k, v = qkv()
+    assert str(fia.explain(q, k, v, **KW)).splitlines() == [
+        "npu_fused_infer_attention_score: B=2 N=8 KV_N=2 Q_S=1 KV_S=128 D=64 Dv=64 float16 BNSD decode kv=dense",
+        "backend: reference",
+        "  reference: can run (selected)",
+    ]
+
+
+def test_explain_lists_why_other_backends_cannot(monkeypatch):
+    monkeypatch.setattr(registry, "_BACKENDS", [PickyBackend(), ReferenceBackend()])
+    q, k, v = qkv()
+    rep = fia.explain(q, k, v, **KW)
+    assert rep.selected == "reference"
+    assert rep.reasons["picky"] == ["decode (Q_S = 1) not supported", "dtype float16 not in (bfloat16,)"]
+    assert "  picky: decode (Q_S = 1) not supported; dtype float16 not in (bfloat16,)" in str(rep).splitlines()
+    with fia.use_backend("reference"):
+        forced = fia.explain(q, k, v, **KW)
+    assert forced.selected == "reference" and forced.forced == "reference"
+    assert "backend: reference (forced)" in str(forced)
+
+
+def test_explain_unsupported_case_has_the_error_text(monkeypatch):
+    """Nothing can run tensors on the meta device: the report carries the FiaUnsupportedError's text."""
+    monkeypatch.setattr(registry, "_BACKENDS", [PickyBackend(), ReferenceBackend()])
+    q, k, v = qkv("meta")
+    rep = fia.explain(q, k, v, **KW)
+    assert not rep.supported and rep.selected is None
+    with pytest.raises(fia.FiaUnsupportedError) as e:
+        fia.npu_fused_infer_attention_score(q, k, v, **KW)
+    assert e.value.reasons == rep.reasons
+    text = str(rep).splitlines()
+    for line in str(e.value).splitlines():
+        assert line in text
+    assert "  reference: device meta not in ('cpu', 'cuda')" in text
+    assert text[1] == "backend: none"
+
+
+def test_explain_invalid_input_raises_like_the_call():
+    q, k, v = qkv()
+    kw = dict(KW, num_key_value_heads=3)
+    with pytest.raises(fia.FiaInputError) as call:
+        fia.npu_fused_infer_attention_score(q, k, v, **kw)
+    with pytest.raises(fia.FiaInputError) as exp:
+        fia.explain(q, k, v, **kw)
+    assert str(exp.value) == str(call.value)
+    with pytest.raises(TypeError):
+        fia.explain(q, k, v, no_such_keyword=1)
