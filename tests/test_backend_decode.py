@@ -233,12 +233,6 @@ def test_paged_shared_blocks_and_int64_table(small_splits):
 
 
 # ---------------------------------------------------------------------------------------------- antiquant
-def _tok(shape, g, lens, axis_b=0):
-    """float32 per-token scales, NaN at positions past each batch's length (never read)."""
-    t = runif(shape, g, 0.005, 0.03)
-    return t
-
-
 ANTIQUANT = [
     # (name, int4, key_mode, value_mode, kind, offsets)
     ("comb-tensor", False, None, None, "tensor", True),
@@ -632,3 +626,8 @@ def test_declared_limits():
         with fia.use_backend("decode"), pytest.raises(fia.FiaUnsupportedError, match="float64"):
             fia.npu_fused_infer_attention_score(q64, q64, q64, num_heads=2, input_layout="BNSD")
     assert be.devices == ("cpu",)
+    if any(b.name == "prefill" for b in registry.backends()):
+        # many query rows per KV head with Q_S > 1 (G * Q_S > 32) are left to the faster prefill backend
+        q16 = randn((1, 8, 16, 32), g)
+        with fia.use_backend("decode"), pytest.raises(fia.FiaUnsupportedError, match="prefill backend is faster"):
+            fia.npu_fused_infer_attention_score(q16, k, v, num_heads=8, num_key_value_heads=2, input_layout="BNSD")
