@@ -48,6 +48,12 @@ def test_tiny_cases_end_to_end(tmp_path):
         for impl in ("fia", "sdpa"):
             assert IMPL_KEYS <= rec[impl].keys() and rec[impl]["median_ms"] > 0 and rec[impl]["rate"] > 0
         assert rec["speedup_vs_sdpa"] > 0
+    best = machine.Ceilings.best(FAKE, machine.Ceilings(20.0, 5.0, {"fp32": 0.05, "bf16": 0.2, "fp16": 0.01},
+                                                        {"fp32": 512, "bf16": 2048, "fp16": 512}))
+    assert (best.read_gbps, best.copy_gbps, best.mm_tflops["fp32"], best.mm_n["bf16"]) == (20.0, 10.0, 0.1, 2048)
+    runner.apply_ceilings(records, best)
+    assert all(r["ceiling"] == (20.0 if r["kind"] == "decode" else 0.2 if r["dtype"] == "bf16" else 0.1)
+               for r in records)
     meta = {"argv": "test", "started": "now", "duration_s": 0.0}
     paths = report.write_all(records, FAKE.to_dict(), meta, str(tmp_path))
     data = json.loads(open(paths["json"]).read())

@@ -1,8 +1,10 @@
 """`python -m fia.bench` / `fia-bench`: ceilings, then the case table, then the reports.
 
-  --quick          fewer / smaller cases, 3 repeats, tight budgets (< 2 minutes)
+  --quick          12 cases (decode KV_S 4096: fp16/bf16 x dense/paged/int8 per-channel/per-token;
+                   prefill S 1024: bf16 causal/band/pse, fp16 causal), 3 repeats, tight budgets (< 2 min)
   --out DIR        output directory for bench.json, bench.md, bench.png (default bench-results/)
-  --cases REGEX    run only the cases whose name matches (re.search), e.g. 'decode-bf16' or 'prefill.*s1024'
+  --cases REGEX    run only the cases of the table (quick or full) whose name matches (re.search),
+                   e.g. 'decode-bf16' or 'prefill.*s1024' (--list shows the names)
   --repeats N      timed calls per implementation (default 10, quick 3; fewer when a call is slow)
   --list           print the case names and exit
   --demo           run the paged-KV decode loop of the README (fia.bench.demo) and exit
@@ -48,12 +50,15 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     started = datetime.datetime.now().isoformat(timespec="seconds")
     print("measuring machine ceilings ...", flush=True)
-    ceil = machine.measure_ceilings(quick=args.quick)
-    cdict = ceil.to_dict()
-    print("\n".join(report.ceilings_lines(cdict)), flush=True)
+    before = machine.measure_ceilings(quick=args.quick)
+    print("\n".join(report.ceilings_lines(before.to_dict())), flush=True)
 
     opts = runner.Options.quick(args.repeats) if args.quick else runner.Options(repeats=args.repeats or 10)
-    records = runner.run_all(table, ceil, opts, fia, progress=not args.no_progress)
+    records = runner.run_all(table, before, opts, fia, progress=not args.no_progress)
+    after = machine.measure_ceilings(quick=args.quick)        # again: the better of the two is the ceiling
+    ceil = machine.Ceilings.best(before, after)
+    runner.apply_ceilings(records, ceil)
+    cdict = dict(ceil.to_dict(), before=before.to_dict(), after=after.to_dict())
     meta = {"argv": " ".join(["fia-bench"] + list(argv if argv is not None else sys.argv[1:])),
             "started": started, "duration_s": time.perf_counter() - t0, "quick": args.quick,
             "options": vars(opts), "fia_version": getattr(fia, "__version__", None)}

@@ -24,7 +24,7 @@ def _ms(res: dict, width: int) -> str:
 
 
 def _mb(v: Optional[float]) -> str:
-    return "-" if v is None else f"{v:.0f}"
+    return "-" if v is None else (f"{v:.1f}" if v < 10 else f"{v:.0f}")
 
 
 def rows(records: list[dict], width: int = 24) -> list[list[str]]:
@@ -51,7 +51,8 @@ def ceilings_lines(c: dict) -> list[str]:
     return [f"CPU {c['cpu']} ({c['cpu_capability']}), {c['threads']} torch threads, torch {c['torch_version']}",
             f"read bandwidth {c['read_gbps']:.1f} GB/s (x.sum); cross-check: copy {c['copy_gbps']:.1f} GB/s "
             f"(read+write), {100 * (c['copy_gbps'] / c['read_gbps'] - 1):+.0f}%",
-            f"matmul: {mm}"]
+            f"matmul: {mm}"] + (["(each the better of a measurement before and after the cases)"]
+                                if "before" in c else [])
 
 
 def terminal_table(records: list[dict], ceilings: dict) -> str:
@@ -77,7 +78,9 @@ NOTES = """\
   on that slice when the reference cannot run the case. Error = max|out − ref| / max|ref|. A wrong output
   is not timed. SDPA's output gets the same check (sdpa_rel_err in the JSON).
 - The reference backend is timed only when one call is estimated (slice time × KV_N) below the budget.
-- Peak MB: extra resident memory of one call above the inputs (VmHWM reset via /proc/self/clear_refs).
+- Peak MB: extra resident memory of one warm call above the inputs (malloc_trim, then VmHWM reset via
+  /proc/self/clear_refs; peak = VmHWM after − VmRSS before). SDPA's includes its gather/dequantize copies.
+- Timings on a busy machine are unreliable: ceilings and cases are measured at different moments.
 """
 
 

@@ -7,18 +7,19 @@ Order per case:
    estimated (slice time and peak memory x KV_N) to fit the reference budgets, the reference runs on the
    whole case instead and is the judge. If the reference cannot run a case, SDPA in float32 on the head
    slice is the judge;
-3. FIA (automatic backend) once — first call, doubles as warm-up (JIT) and memory probe — and its check:
+3. FIA (automatic backend): its first call's output is checked, a second (warm) call is the memory probe
+   (skipped when the first took > 5 s: then the first call is the probe). The check:
    max|out - judge| / max|judge| <= TOL, else "wrong" and nothing of the case is timed. (If the automatic
    choice is the reference itself and its estimated memory does not fit, the call is skipped.);
-4. SDPA once (memory probe) and the same check of SDPA (a failing peer is a bug in peers.py: "wrong");
-5. time FIA, SDPA and — if within budget — the reference: warm-up, then `repeats` calls (fewer if a
+4. SDPA the same way, and the same check of SDPA (a failing peer is a bug in peers.py: "wrong");
+5. time FIA, SDPA and — if within budget — the reference: `repeats` calls after those (fewer if a
    call is slow: at most `time_budget_s` per implementation, at least 1), median ms reported.
 
-Peak memory: Linux VmHWM ("peak resident set") is reset through /proc/self/clear_refs right before the
-probe call; peak = VmHWM after − VmRSS before, i.e. the extra resident memory the call needed above the
-inputs (temporaries, workspace, output). glibc may serve small allocations from memory it kept from
-earlier calls, so small temporaries can be undercounted; large ones (mmap'ed) are exact. Where
-clear_refs is unavailable peak memory is reported as None.
+Peak memory: right before the probe call, glibc's freed-but-kept memory is returned to the OS
+(malloc_trim(0)) and Linux VmHWM ("peak resident set") is reset through /proc/self/clear_refs; peak =
+VmHWM after − VmRSS before, i.e. the extra resident memory the call needed above the inputs (temporaries,
+workspace, output), at page granularity. Memory touched by helper threads counts too (same process).
+Where clear_refs is unavailable peak memory is reported as None.
 """
 from __future__ import annotations
 
@@ -71,8 +72,28 @@ def _reset_peak() -> bool:
         return False
 
 
+def _malloc_trim() -> None:
+    """Give the memory glibc keeps from freed allocations back to the OS, so the next call's
+    temporaries fault in fresh pages and show up in VmHWM instead of reusing resident ones."""
+    global _libc
+    if _libc is None:
+        try:
+            import ctypes
+            _libc = ctypes.CDLL("libc.so.6")
+            _libc.malloc_trim(0)
+        except (OSError, AttributeError):
+            _libc = False
+            return
+    if _libc:
+        _libc.malloc_trim(0)
+
+
+_libc = None
+
+
 def probe(fn: Callable[[], torch.Tensor]):
     """Run fn once: (result, seconds, peak extra resident MB or None)."""
+    _malloc_trim()
     base = _status_kb("VmRSS")
     ok = base is not None and _reset_peak()
     t0 = time.perf_counter()
@@ -96,13 +117,10 @@ def available_bytes() -> Optional[int]:
 
 # --- timing -------------------------------------------------------------------------------------------
 
-def timeit(fn: Callable, repeats: int, budget_s: float, first_s: float) -> dict:
-    """Warm up, then time calls until `repeats` are done or `budget_s` has passed (at least one call).
-
-    The probe call was the first warm-up (JIT compilation, page faults); one more warm-up call is made
-    when that first call was cheap (< 0.5 s).
-    """
-    if first_s < 0.5:
+def timeit(fn: Callable, repeats: int, budget_s: float, warm: bool = True) -> dict:
+    """Time calls until `repeats` are done or `budget_s` has passed (at least one call), after one
+    warm-up call unless `warm` (the calls made before already warmed JIT caches and pages)."""
+    if not warm:
         fn()
     ts = []
     start = time.perf_counter()
@@ -152,15 +170,28 @@ def _selected_backend(fia, inp: C.Inputs) -> Optional[str]:
         return None
 
 
-def _guard(fia, fn):
-    """(output, seconds, peak MB, status): status None when the call succeeded."""
+def _guard(fia, fn, again_below_s: float = 5.0):
+    """First call (its output is the one checked); if it took < again_below_s, a second, warm call is the
+    memory probe, so one-time costs (JIT compilation, lazy init) do not count as the call's memory.
+
+    Returns (output, info, status): info = {first_call_s, warm_call_s (or None), peak_mb};
+    status None when the calls succeeded, else "n/a: ..." (FiaUnsupportedError) or "error: ...".
+    """
     try:
-        out, dt, mb = probe(fn)
-        return out, dt, mb, None
+        out, first, mb = probe(fn)
+        warm = None
+        if first < again_below_s:
+            _, warm, mb = probe(fn)
+        return out, {"first_call_s": first, "warm_call_s": warm, "peak_mb": mb}, None
     except fia.FiaUnsupportedError as e:
-        return None, None, None, "n/a: " + _reason(e)
+        return None, {}, "n/a: " + _reason(e)
     except Exception as e:  # a crash is reported, never ends the run
-        return None, None, None, f"error: {type(e).__name__}: {_reason(e)}"
+        return None, {}, f"error: {type(e).__name__}: {_reason(e)}"
+
+
+def _call_s(info: dict) -> float:
+    """Best estimate of one call's time from the probe calls."""
+    return info["warm_call_s"] if info.get("warm_call_s") is not None else info["first_call_s"]
 
 
 # --- one case -------------------------------------------------------------------------------------------
@@ -175,6 +206,18 @@ def case_record(case: C.Case, ceilings) -> dict:
         val, basis = ceilings.prefill_ceiling(case.dtype)
         rec.update(metric="TFLOP/s", ceiling=val, ceiling_basis=basis)
     return rec
+
+
+def apply_ceilings(records: list, ceilings) -> None:
+    """Re-derive each record's ceiling and % of ceiling from (final) ceilings."""
+    for rec in records:
+        if rec["kind"] == "decode":
+            rec["ceiling"] = ceilings.read_gbps
+        else:
+            rec["ceiling"], rec["ceiling_basis"] = ceilings.prefill_ceiling(rec["dtype"])
+        for name in ("fia", "reference", "sdpa"):
+            if "rate" in rec[name]:
+                rec[name]["pct_ceiling"] = 100.0 * rec[name]["rate"] / rec["ceiling"]
 
 
 def _rate(rec: dict, ms: float) -> float:
@@ -193,12 +236,13 @@ def _judge(fia, inp: C.Inputs, sl: C.Inputs, rec: dict, opts: Options, phase) ->
     """Run the reference (slice, then whole case if affordable); returns (judge output, name, whole?)."""
     G, KV_N = inp.case.G, inp.case.KV_N
     phase("reference")
-    ref_s, t_slice, mb_slice, st = _guard(fia, _fia_call(fia, sl, "reference"))
+    ref_s, info, st = _guard(fia, _fia_call(fia, sl, "reference"))
     if st is not None:                     # the reference cannot run it: SDPA in float32 judges the slice
         rec["reference"] = {"status": st}
         out, _, _ = probe(peers.sdpa_call(sl, torch.float32))
         return out, f"SDPA float32 on KV head 0 (query heads 0..{G - 1}); reference: {st}", False
-    est_s, est_mb = t_slice * KV_N, None if mb_slice is None else mb_slice * KV_N
+    mb_slice = info["peak_mb"]
+    est_s, est_mb = _call_s(info) * KV_N, None if mb_slice is None else mb_slice * KV_N
     rec["reference"] = {"status": "pending", "est_call_s": est_s, "est_peak_mb": est_mb}
     avail = available_bytes()
     if est_s > opts.ref_budget_s:
@@ -206,9 +250,9 @@ def _judge(fia, inp: C.Inputs, sl: C.Inputs, rec: dict, opts: Options, phase) ->
     elif est_mb is not None and avail is not None and est_mb * 2**20 > opts.mem_fraction * avail:
         rec["reference"]["status"] = f"skipped: needs ~{est_mb / 1024:.1f} GiB (est.)"
     else:
-        full, t_full, mb_full, st = _guard(fia, _fia_call(fia, inp, "reference"))
+        full, info, st = _guard(fia, _fia_call(fia, inp, "reference"))
         if st is None:
-            rec["reference"].update(status="ok", peak_mb=mb_full, first_call_s=t_full)
+            rec["reference"].update(status="ok", **info)
             return full, "reference (whole case)", True
         rec["reference"]["status"] = st
     return ref_s, f"reference on KV head 0 (query heads 0..{G - 1})", False
@@ -239,10 +283,10 @@ def run_case(case: C.Case, ceilings, opts: Options, fia, phase: Callable[[str], 
     est_mb, avail = rec["reference"].get("est_peak_mb"), available_bytes()
     if (backend in (None, "reference") and est_mb is not None and avail is not None
             and est_mb * 2**20 > opts.mem_fraction * avail):
-        out, fia_first, fia_mb, st = None, None, None, f"skipped: needs ~{est_mb / 1024:.1f} GiB (est.)"
+        out, info, st = None, {}, f"skipped: needs ~{est_mb / 1024:.1f} GiB (est.)"
     else:
-        out, fia_first, fia_mb, st = _guard(fia, fia_fn)
-    rec["fia"] = {"status": st or "ok", "backend": backend, "peak_mb": fia_mb, "first_call_s": fia_first}
+        out, info, st = _guard(fia, fia_fn)
+    rec["fia"] = {"status": st or "ok", "backend": backend, **info}
     if out is not None:
         err = rel_err(pick(out), judge)
         check.update(status="ok" if err <= tol else "wrong", rel_err=err)
@@ -254,8 +298,8 @@ def run_case(case: C.Case, ceilings, opts: Options, fia, phase: Callable[[str], 
 
     phase("sdpa")
     sdpa_fn = peers.sdpa_call(inp)
-    s_out, sdpa_first, sdpa_mb, st = _guard(fia, sdpa_fn)
-    rec["sdpa"] = {"status": st or "ok", "peak_mb": sdpa_mb, "first_call_s": sdpa_first}
+    s_out, info, st = _guard(fia, sdpa_fn)
+    rec["sdpa"] = {"status": st or "ok", **info}
     if s_out is not None:
         check["sdpa_rel_err"] = err = rel_err(pick(s_out), judge)
         if err > tol:                      # the peer disagrees with the reference: a bug in peers.py
@@ -272,7 +316,8 @@ def run_case(case: C.Case, ceilings, opts: Options, fia, phase: Callable[[str], 
         if rec[name]["status"] != "ok":
             continue
         phase(f"time {name}")
-        rec[name].update(timeit(fn, opts.repeats, opts.time_budget_s, rec[name]["first_call_s"]))
+        warm = rec[name]["warm_call_s"] is not None or rec[name]["first_call_s"] >= 0.5
+        rec[name].update(timeit(fn, opts.repeats, opts.time_budget_s, warm))
         r = _rate(rec, rec[name]["median_ms"])
         rec[name].update(rate=r, pct_ceiling=100.0 * r / rec["ceiling"])
     if "median_ms" in rec["fia"] and "median_ms" in rec["sdpa"]:
