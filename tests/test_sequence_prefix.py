@@ -13,7 +13,7 @@ import torch
 
 import fia
 import naive
-from util import (INT_MAX, assert_close, assert_lse, assert_zero_rows, batched_mask, expected_out_shape, gen,
+from util import (fused_kwargs, INT_MAX, assert_close, assert_lse, assert_zero_rows, batched_mask, expected_out_shape, gen,
                   out_to_canon, poison_rows, randmask, randn, seed_of, template_mask, to_layout)
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
@@ -36,20 +36,10 @@ def prefix_case(*, seed, layout="BSH", b=3, n=4, kvn=2, sq=6, skv=12, ps=10, ple
     kp_in, vp_in = poison_rows(kp, [p]), poison_rows(vp, [p])       # prefix positions past P: NaN
     q_in, k_in, v_in = poison_rows(q, aq), poison_rows(k, akv), poison_rows(v, akv)
     base = layout.split("_")[0]
-    kw = dict(num_heads=n, num_key_value_heads=kvn, input_layout=layout, scale=scale, softmax_lse_flag=lse,
-              sparse_mode=sparse_mode, inner_precise=inner_precise)
-    if act_q is not None and not decode:
-        kw["actual_seq_lengths"] = list(act_q)
+    kw = fused_kwargs(n, kvn, layout, scale, lse=lse, sparse_mode=sparse_mode, inner_precise=inner_precise,
+                      act_q=act_q, decode=decode, mask=mask, pse=pse, pre=pre, nxt=nxt)
     if act_kv is not None:
         kw["actual_seq_lengths_kv"] = list(act_kv)
-    if mask is not None:
-        kw["atten_mask"] = mask
-    if pse is not None:
-        kw["pse_shift"] = pse
-    if pre is not None:
-        kw["pre_tokens"] = pre
-    if nxt is not None:
-        kw["next_tokens"] = nxt
     pkw = dict(key_shared_prefix=to_layout(kp_in, base), value_shared_prefix=to_layout(vp_in, base))
     if plen != "none":
         pkw["actual_shared_prefix_len"] = plen_form([p])

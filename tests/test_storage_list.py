@@ -11,7 +11,7 @@ import torch
 
 import fia
 import naive
-from util import (INT_MAX, assert_close, assert_lse, assert_zero_rows, batched_mask, gen, out_to_canon,
+from util import (fused_kwargs, INT_MAX, assert_close, assert_lse, assert_zero_rows, batched_mask, gen, out_to_canon,
                   poison_rows, randmask, randn, seed_of, template_mask, to_layout)
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
@@ -39,18 +39,8 @@ def list_case(*, seed, layout="BSH", n=4, kvn=2, sq=1, d=32, dtype=F16, lens, ac
         vd[i, :, :lens[i]] = vs_in[i]
     base = layout.split("_")[0]
     q_in = to_layout(poison_rows(q, aq), base)
-    kw = dict(num_heads=n, num_key_value_heads=kvn, input_layout=layout, scale=scale, softmax_lse_flag=True,
-              sparse_mode=sparse_mode, inner_precise=inner_precise)
-    if act_q is not None and not decode:
-        kw["actual_seq_lengths"] = list(act_q)
-    if mask is not None:
-        kw["atten_mask"] = mask
-    if pse is not None:
-        kw["pse_shift"] = pse
-    if pre is not None:
-        kw["pre_tokens"] = pre
-    if nxt is not None:
-        kw["next_tokens"] = nxt
+    kw = fused_kwargs(n, kvn, layout, scale, sparse_mode=sparse_mode, inner_precise=inner_precise,
+                      act_q=act_q, decode=decode, mask=mask, pse=pse, pre=pre, nxt=nxt)
     kw_list = dict(kw, **(extra or {}))       # extra keywords go to the list call only
     if act_kv is not None:
         kw_list["actual_seq_lengths_kv"] = list(act_kv)

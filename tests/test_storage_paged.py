@@ -12,7 +12,7 @@ import torch
 
 import fia
 import naive
-from util import (INT_MAX, assert_close, assert_lse, assert_zero_rows, batched_mask, block_table, cumsum,
+from util import (fused_kwargs, INT_MAX, assert_close, assert_lse, assert_zero_rows, batched_mask, block_table, cumsum,
                   expected_out_shape, gather_paged, gen, out_to_canon, paged_pool, poison_rows, pool_as_cache,
                   randmask, randn, seed_of, template_mask, tnd_split, to_layout, to_tnd)
 
@@ -38,18 +38,8 @@ def paged_case(*, seed, layout="BSH", fmt="3d", b=3, n=4, kvn=2, sq=1, d=32, dv=
     aq = [1] * b if decode else (list(act_q) if act_q is not None else [sq] * b)
     q_in = poison_rows(q, aq)
     base = layout.split("_")[0]
-    kw = dict(num_heads=n, num_key_value_heads=kvn, input_layout=layout, scale=scale, softmax_lse_flag=lse,
-              actual_seq_lengths_kv=list(lens), sparse_mode=sparse_mode, inner_precise=inner_precise)
-    if act_q is not None and not decode:
-        kw["actual_seq_lengths"] = list(act_q)
-    if mask is not None:
-        kw["atten_mask"] = mask
-    if pse is not None:
-        kw["pse_shift"] = pse
-    if pre is not None:
-        kw["pre_tokens"] = pre
-    if nxt is not None:
-        kw["next_tokens"] = nxt
+    kw = fused_kwargs(n, kvn, layout, scale, lse=lse, sparse_mode=sparse_mode, inner_precise=inner_precise,
+                      actual_seq_lengths_kv=list(lens), act_q=act_q, decode=decode, mask=mask, pse=pse, pre=pre, nxt=nxt)
     out, l = fia.npu_fused_infer_attention_score(
         to_layout(q_in, base), pool_as_cache(kpool, fmt), pool_as_cache(vpool, fmt),
         block_table=table.to(table_dtype), block_size=bs, **kw)

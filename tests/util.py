@@ -406,3 +406,16 @@ def pool_as_cache(pool: torch.Tensor, fmt: str) -> torch.Tensor:
     if fmt == "4d":
         return pool.contiguous()
     raise ValueError(fmt)
+
+
+def fused_kwargs(n, kvn, layout, scale, *, lse=True, sparse_mode=0, inner_precise=0, act_q=None, decode=False,
+                 mask=None, pse=None, pre=None, nxt=None, **extra) -> dict:
+    """Keywords of npu_fused_infer_attention_score for the storage / sequence tests; optional ones only if set."""
+    kw = dict(num_heads=n, num_key_value_heads=kvn, input_layout=layout, scale=scale, softmax_lse_flag=lse,
+              sparse_mode=sparse_mode, inner_precise=inner_precise, **extra)
+    if act_q is not None and not decode:
+        kw["actual_seq_lengths"] = list(act_q)
+    for name, value in (("atten_mask", mask), ("pse_shift", pse), ("pre_tokens", pre), ("next_tokens", nxt)):
+        if value is not None:
+            kw[name] = value
+    return kw
