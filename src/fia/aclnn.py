@@ -41,9 +41,8 @@ import torch
 from . import parse
 from .backends import registry
 from .errors import ACLNN_ERR_PARAM_NULLPTR, ACLNN_SUCCESS, FiaError, FiaInputError, FiaRuntimeError, input_error
-from .finalize import finalize
+from .finalize import check_outputs, write_outputs
 from .parse.entries import FUSED_DEFAULTS
-from .spec.layout import output_shape
 
 __all__ = [
     "aclnnFusedInferAttentionScoreV2GetWorkspaceSize", "aclnnFusedInferAttentionScoreV2",
@@ -151,30 +150,6 @@ def _kv(x):
     return x
 
 
-def _expected(problem) -> Tuple[tuple, torch.dtype, tuple]:
-    """Shape and dtype of attention_out and the lse shape, as the epilogue (fia.finalize) produces them."""
-    p = problem
-    out = output_shape(p.layout.out, p.B, p.N, p.Q_S, p.Dv, p.T)
-    lse = (p.T, p.N, 1) if p.packed else (p.B, p.N, p.Q_S, 1)
-    return tuple(out), p.out_dtype, lse
-
-
-def _dt(d: torch.dtype) -> str:
-    return str(d).replace("torch.", "")
-
-
-def _check_output(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device, why: str = "") -> None:
-    exp = f"a {_dt(dtype)} tensor of shape {shape}{why}"
-    if t is None:
-        raise input_error(name, exp, "None", status=ACLNN_ERR_PARAM_NULLPTR)
-    if not isinstance(t, torch.Tensor):
-        raise input_error(name, exp, type(t).__name__)
-    if tuple(t.shape) != shape or t.dtype != dtype:
-        raise input_error(name, exp, f"a {_dt(t.dtype)} tensor of shape {tuple(t.shape)}")
-    if t.device != device:
-        raise input_error(name, f"a tensor on {device} (the query's device)", f"a tensor on {t.device}")
-
-
 def _plan(op: str, a: dict, attention_out, softmax_lse) -> Tuple[int, AclOpExecutor]:
     table = dict(_OPS[op])                                 # aclnn -> torch_npu
     back = {v: k for k, v in table.items()}                # torch_npu -> aclnn
@@ -197,13 +172,9 @@ def _plan(op: str, a: dict, attention_out, softmax_lse) -> Tuple[int, AclOpExecu
             args.update({table[k]: v for k, v in a.items()})
             args.update(key=_kv(args["key"]), value=_kv(args["value"]))
             problem = parse.parse_fused(args, api=op, aliases=back)
-        shape, dtype, lse_shape = _expected(problem)
-        _check_output("attentionOut", attention_out, shape, dtype, problem.device)
-        lse_flag = bool(a.get("softmaxLseFlag", False))
-        if lse_flag:
-            _check_output("softmaxLse", softmax_lse, lse_shape, torch.float32, problem.device,
-                          " (softmaxLseFlag is true)")
-        elif softmax_lse is None and op != "aclnnIncreFlashAttentionV4":
+        check_outputs(problem, attention_out, softmax_lse, ("attentionOut", "softmaxLse"), " (softmaxLseFlag is true)")
+        lse_flag = problem.want_lse
+        if not lse_flag and softmax_lse is None and op != "aclnnIncreFlashAttentionV4":
             softmax_lse = torch.zeros(1, dtype=torch.float32, device=problem.device)
         backend = registry.select(problem)
     except FiaError as e:
@@ -226,12 +197,7 @@ def _execute(op: str, workspace, workspace_size, executor, stream) -> int:
     executor.consumed = True
     p = executor.problem
     try:
-        result = executor.backend.run(p)
-        out, lse = finalize(p, result)
-        with torch.no_grad():
-            executor.attentionOut.copy_(out)
-            if executor.write_lse:
-                executor.softmaxLse.copy_(lse)
+        write_outputs(p, executor.backend.run(p), executor.attentionOut, executor.softmaxLse)
     except FiaError:
         raise
     except Exception as e:   # the computation itself failed (ACLNN_ERR_RUNTIME_ERROR)

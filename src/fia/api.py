@@ -4,16 +4,17 @@ Signatures, keyword names and defaults are those of torch_npu (SPEC 1.1), so NPU
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from . import parse
 from .backends import registry
 from .finalize import finalize
+from .outvariants import out_variant, workspace_query
 
 __all__ = ["npu_fused_infer_attention_score", "npu_incre_flash_attention", "npu_prompt_flash_attention",
-           "npu_fused_infer_attention_score_v2", "npu_attention_update"]
+           "npu_fused_infer_attention_score_v2", "npu_attention_update",
+           "_npu_fused_infer_attention_score_get_max_workspace",
+           "_npu_fused_infer_attention_score_v2_get_max_workspace"]
 
 _INT_MAX = 2147483647
 
@@ -22,6 +23,25 @@ def _run(problem):
     backend = registry.select(problem)
     result = backend.run(problem)
     return finalize(problem, result)
+
+
+# argument dict -> problem, one per fused entry point; shared by the function, its .out variant, its
+# workspace query and its graph-mode fake kernel (fia.ops), so they all accept exactly the same calls
+def fused_problem(args: dict):
+    return parse.parse_fused(args, api="npu_fused_infer_attention_score")
+
+
+def v2_problem(args: dict):
+    args = dict(args)
+    unknown = args.pop("unknown", None) or {}     # the keywords the v2 signature collected
+    return parse.parse_v2(args, unknown)
+
+
+def v2_results(problem, out, lse):
+    """v2's return convention: with return_softmax_lse off, a (1,) float32 zero tensor (its document)."""
+    if not problem.want_lse:
+        lse = out.new_zeros(1, dtype=torch.float32)
+    return out, lse
 
 
 def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_mask=None, actual_seq_lengths=None,
@@ -43,8 +63,7 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
     empty float32 tensor of shape [0].
     """
     args = dict(locals())
-    problem = parse.parse_fused(args, api="npu_fused_infer_attention_score")
-    return _run(problem)
+    return _run(fused_problem(args))
 
 
 def npu_incre_flash_attention(query, key, value, *, padding_mask=None, pse_shift=None, atten_mask=None,
@@ -91,12 +110,8 @@ def npu_fused_infer_attention_score_v2(query, key, value, *, query_rope=None, ke
     """FusedInferAttentionScoreV4 under its newer names (SPEC 1.1b). Returns (attention_out, softmax_lse);
     with return_softmax_lse=False the second output is a (1,) float32 zero tensor."""
     args = dict(locals())
-    args.pop("unknown")
-    problem = parse.parse_v2(args, unknown)
-    out, lse = _run(problem)
-    if not problem.want_lse:
-        lse = torch.zeros(1, dtype=torch.float32, device=out.device)
-    return out, lse
+    problem = v2_problem(args)
+    return v2_results(problem, *_run(problem))
 
 
 def npu_attention_update(lse, local_out, update_type=0):
@@ -106,3 +121,13 @@ def npu_attention_update(lse, local_out, update_type=0):
     lse_out [R] float32 when update_type == 1 else None)."""
     from .merge import attention_update
     return attention_update(lse, local_out, update_type)
+
+
+# ---------------------------------------------------------------------------------- out= variants (SPEC 1.1b)
+npu_fused_infer_attention_score.out = out_variant(npu_fused_infer_attention_score, fused_problem, "softmax_lse_flag")
+npu_fused_infer_attention_score_v2.out = out_variant(npu_fused_infer_attention_score_v2, v2_problem,
+                                                     "return_softmax_lse")
+_npu_fused_infer_attention_score_get_max_workspace = workspace_query(
+    npu_fused_infer_attention_score, fused_problem, "_npu_fused_infer_attention_score_get_max_workspace")
+_npu_fused_infer_attention_score_v2_get_max_workspace = workspace_query(
+    npu_fused_infer_attention_score_v2, v2_problem, "_npu_fused_infer_attention_score_v2_get_max_workspace")

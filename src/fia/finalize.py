@@ -1,10 +1,18 @@
-"""One epilogue for every backend: output dtype, output layout, lse shape (SPEC 2, 13)."""
+"""One epilogue for every backend: output dtype, output layout, lse shape (SPEC 2, 13).
+
+It also owns what the epilogue's outputs look like *before* anything runs (`expected_outputs`), the check
+of caller-allocated outputs against that (the ``.out`` variants and aclnn phase 1), and the write into
+them -- one place, so the functional results and the caller-tensor checks cannot drift apart.
+"""
 from __future__ import annotations
+
+from typing import Tuple
 
 import torch
 
 from .backends.base import BackendResult
-from .spec.layout import from_canonical
+from .errors import ACLNN_ERR_PARAM_NULLPTR, input_error
+from .spec.layout import from_canonical, output_shape
 from .spec.problem import AttentionProblem
 
 
@@ -20,3 +28,46 @@ def finalize(p: AttentionProblem, r: BackendResult):
     else:
         lse = r.lse.to(torch.float32).unsqueeze(-1)                                 # [B, N, Q_S, 1]
     return out, lse
+
+
+# ---------------------------------------------------------------------------------- caller-allocated outputs
+def expected_outputs(p: AttentionProblem) -> Tuple[tuple, torch.dtype, tuple]:
+    """(attention_out shape, attention_out dtype, lse shape) exactly as `finalize` produces them."""
+    out = output_shape(p.layout.out, p.B, p.N, p.Q_S, p.Dv, p.T)
+    lse = (p.T, p.N, 1) if p.packed else (p.B, p.N, p.Q_S, 1)
+    return tuple(out), p.out_dtype, lse
+
+
+def _dt(d: torch.dtype) -> str:
+    return str(d).replace("torch.", "")
+
+
+def check_output(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device, why: str = "") -> None:
+    """`t` must be a tensor of exactly `shape`, `dtype` on `device`; the error names `name` (161001 if None)."""
+    exp = f"a {_dt(dtype)} tensor of shape {tuple(shape)}{why}"
+    if t is None:
+        raise input_error(name, exp, "None", status=ACLNN_ERR_PARAM_NULLPTR)
+    if not isinstance(t, torch.Tensor):
+        raise input_error(name, exp, type(t).__name__)
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+        raise input_error(name, exp, f"a {_dt(t.dtype)} tensor of shape {tuple(t.shape)}")
+    if t.device != device:
+        raise input_error(name, f"a tensor on {device} (the query's device)", f"a tensor on {t.device}")
+
+
+def check_outputs(p: AttentionProblem, attention_out, softmax_lse, names: Tuple[str, str], lse_why: str) -> None:
+    """Validate the caller's outputs before anything runs. softmax_lse is checked only when the lse is
+    requested: otherwise it is a placeholder that is never written (DECISIONS 17)."""
+    shape, dtype, lse_shape = expected_outputs(p)
+    check_output(names[0], attention_out, shape, dtype, p.device)
+    if p.want_lse:
+        check_output(names[1], softmax_lse, lse_shape, torch.float32, p.device, lse_why)
+
+
+def write_outputs(p: AttentionProblem, r: BackendResult, attention_out: torch.Tensor, softmax_lse) -> None:
+    """Run the epilogue and copy into the (already checked) caller tensors; the lse only when requested."""
+    out, lse = finalize(p, r)
+    with torch.no_grad():         # inference op: writing a caller buffer must not record autograd history
+        attention_out.copy_(out)
+        if p.want_lse:
+            softmax_lse.copy_(lse)

@@ -3,13 +3,26 @@
 Every public function has an operator in the ``fia`` namespace, with the keyword names, defaults and
 return convention of torch_npu::
 
-    torch.ops.fia.npu_fused_infer_attention_score(query, key, value, *, ...) -> (Tensor, Tensor)
-    torch.ops.fia.npu_incre_flash_attention(query, key, value, *, ...)       -> Tensor
-    torch.ops.fia.npu_prompt_flash_attention(query, key, value, *, ...)      -> Tensor
+    torch.ops.fia.npu_fused_infer_attention_score(query, key, value, *, ...)    -> (Tensor, Tensor)
+    torch.ops.fia.npu_fused_infer_attention_score_v2(query, key, value, *, ...) -> (Tensor, Tensor)
+    torch.ops.fia.npu_incre_flash_attention(query, key, value, *, ...)          -> Tensor
+    torch.ops.fia.npu_prompt_flash_attention(query, key, value, *, ...)         -> Tensor
+    torch.ops.fia._npu_fused_infer_attention_score[_v2]_get_max_workspace(query, key, value, *, ...) -> Tensor
+    torch.ops.fia.npu_fused_infer_attention_score[_v2].out(query, key, value, *, ..., Tensor? workspace=None,
+        Tensor(a!) attention_out, Tensor(b!) softmax_lse) -> (Tensor(a!), Tensor(b!))
+    torch.ops.fia.npu_attention_update(Tensor[] lse, Tensor[] local_out, int update_type=0) -> (Tensor, Tensor?)
 
 ``.default`` takes ``key`` / ``value`` as tensors (dense or paged KV); the ``.kv_list`` overload takes
 them as ``Tensor[]`` (tensor-list KV, SPEC 1.1). The schemas are generated from the signatures in
 ``fia.api`` (one source of truth): tensors become ``Tensor?``, the lengths lists ``int[]?``.
+
+The ``.out`` overloads have torch_npu's schema (mutated outputs returned as aliases). PyTorch cannot
+functionalize a custom op whose outputs alias its inputs, so ``.out`` is not a kernel of its own: it is a
+``CompositeImplicitAutograd`` decomposition into the functional op (whose fake kernel gives the expected
+output metadata) + a check of the caller's tensors + ``copy_`` -- which ``torch.compile`` turns into an
+ordinary input mutation. Called eagerly on plain tensors it is the eager ``.out`` (check before compute).
+``npu_attention_update``'s fake kernel is the function itself: it only does tensor arithmetic, which fake
+tensors carry out on metadata.
 
 * The real kernel *is* the eager function (``fia.api``): same parse, same backend, same errors.
 * The fake kernel runs the same parse layer on the fake (or meta) tensors and shapes the outputs with
@@ -43,15 +56,23 @@ import torch
 from . import api, parse
 from .backends.base import BackendResult
 from .errors import FiaUnsupportedError
-from .finalize import finalize
+from .finalize import check_output, finalize
+from .outvariants import caller_outputs, empty_workspace
 
 __all__ = ["npu_fused_infer_attention_score", "npu_incre_flash_attention", "npu_prompt_flash_attention",
-           "OPS", "op_schema"]
+           "npu_fused_infer_attention_score_v2", "npu_attention_update",
+           "_npu_fused_infer_attention_score_get_max_workspace",
+           "_npu_fused_infer_attention_score_v2_get_max_workspace", "OPS", "op_schema", "op_out_schema"]
 
 NAMESPACE = "fia"
 
 # keyword arguments that are host-side lists of ints (everything else defaulting to None is a tensor)
-_INT_LISTS = frozenset({"actual_seq_lengths", "actual_seq_lengths_kv", "actual_shared_prefix_len"})
+_INT_LISTS = frozenset({"actual_seq_lengths", "actual_seq_lengths_kv", "actual_shared_prefix_len",
+                        "actual_seq_qlen", "actual_seq_kvlen"})
+# v2's reserved dtype arguments: torch_npu declares them int? (a dtype enum); only None is accepted
+_OPT_INTS = frozenset({"query_dtype", "key_dtype", "value_dtype", "query_rope_dtype", "key_rope_dtype",
+                       "key_shared_prefix_dtype", "value_shared_prefix_dtype", "dequant_scale_query_dtype",
+                       "dequant_scale_key_dtype", "dequant_scale_value_dtype", "dequant_scale_key_rope_dtype"})
 
 # arguments whose *values* parse reads on the host -> fill value of the stand-in used by the fake kernel
 _HOST_READ = {"block_table": 0, "query_padding_size": 0, "kv_padding_size": 0, "dequant_scale1": 1,
@@ -59,13 +80,18 @@ _HOST_READ = {"block_table": 0, "query_padding_size": 0, "kv_padding_size": 0, "
 
 
 class _OpSpec:
-    """One torch_npu function as a custom op: its eager function, its parse entry and its signature."""
+    """One torch_npu function as a custom op: its eager function, its parse entry and its signature.
 
-    def __init__(self, fn: Callable, parser: Callable, returns_lse: bool):
+    `returns` is the schema's return type; `results(problem)` builds the (fake) outputs from the parsed
+    problem; `lse_flag` names the lse keyword of a function that also gets a ``.out`` overload."""
+
+    def __init__(self, fn: Callable, parser: Callable, returns: str, results: Callable, lse_flag: str = ""):
         self.fn = fn
         self.name = fn.__name__
         self.parser = parser
-        self.returns_lse = returns_lse
+        self.returns = returns
+        self.results = results
+        self.lse_flag = lse_flag
         sig = inspect.signature(fn)
         self.positional = [p.name for p in sig.parameters.values() if p.kind == p.POSITIONAL_OR_KEYWORD]
         self.defaults = {p.name: p.default for p in sig.parameters.values() if p.kind == p.KEYWORD_ONLY}
@@ -85,7 +111,7 @@ class _OpSpec:
 
 def _schema_type(name: str, default) -> str:
     if default is None:
-        return "int[]?" if name in _INT_LISTS else "Tensor?"
+        return "int[]?" if name in _INT_LISTS else "int?" if name in _OPT_INTS else "Tensor?"
     if isinstance(default, bool):
         return "bool"
     if isinstance(default, int):
@@ -107,14 +133,24 @@ def _schema_default(default) -> str:
     return repr(default)
 
 
-def op_schema(spec: _OpSpec, kv_list: bool) -> str:
-    """The operator schema (without the namespace), e.g. ``name.kv_list(Tensor query, Tensor[] key, ...)``."""
+def _schema_arguments(spec: _OpSpec, kv_list: bool) -> list:
     kv = "Tensor[]" if kv_list else "Tensor"
     pos = [f"Tensor {spec.positional[0]}"] + [f"{kv} {n}" for n in spec.positional[1:]]
     kw = [f"{_schema_type(n, d)} {n}={_schema_default(d)}" for n, d in spec.defaults.items()]
-    ret = "(Tensor, Tensor)" if spec.returns_lse else "Tensor"
+    return pos + ["*"] + kw
+
+
+def op_schema(spec: _OpSpec, kv_list: bool) -> str:
+    """The operator schema (without the namespace), e.g. ``name.kv_list(Tensor query, Tensor[] key, ...)``."""
     name = spec.name + (".kv_list" if kv_list else "")
-    return f"{name}({', '.join(pos)}, *, {', '.join(kw)}) -> {ret}"
+    return f"{name}({', '.join(_schema_arguments(spec, kv_list))}) -> {spec.returns}"
+
+
+def op_out_schema(spec: _OpSpec) -> str:
+    """torch_npu's ``.out`` schema: the functional arguments, then the workspace and the mutated outputs."""
+    args = _schema_arguments(spec, False) + ["Tensor? workspace=None", "Tensor(a!) attention_out",
+                                             "Tensor(b!) softmax_lse"]
+    return f"{spec.name}.out({', '.join(args)}) -> (Tensor(a!), Tensor(b!))"
 
 
 # ---------------------------------------------------------------------------------------------- kernels
@@ -157,20 +193,79 @@ def _fake_kernel(spec: _OpSpec):
                         f"{spec.name}: graph mode cannot trace an argument whose values are read on the host "
                         f"({e}); call it eagerly", {}) from e
                 raise
+        return spec.results(problem)
+    return kernel
+
+
+def _attention_results(returns_lse: bool, post: Callable = None) -> Callable:
+    """Fake outputs of an attention function: the epilogue applied to empty canonical results, then the
+    function's own return convention (`post`, e.g. v2's (1,) lse)."""
+    def results(problem):
         q = problem.query
         out = q.new_empty(problem.out_shape(), dtype=problem.compute_dtype)
         lse = q.new_empty(problem.lse_shape(), dtype=torch.float32) if problem.want_lse else None
         out, lse = finalize(problem, BackendResult(out, lse))
-        return (out, lse) if spec.returns_lse else out
+        if post is not None:
+            out, lse = post(problem, out, lse)
+        return (out, lse) if returns_lse else out
+    return results
+
+
+def _workspace_result(problem):
+    return empty_workspace(problem.query)
+
+
+def _plain_eager(tensors) -> bool:
+    """Real tensors outside any tracing (no dispatch mode, no tensor subclass, not meta)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    return _get_current_dispatch_mode() is None and all(
+        type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type != "meta" for t in tensors)
+
+
+def _tensors(values) -> list:
+    flat = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            flat.append(v)
+        elif isinstance(v, (list, tuple)):
+            flat.extend(t for t in v if isinstance(t, torch.Tensor))
+    return flat
+
+
+def _out_kernel(spec: _OpSpec):
+    """CompositeImplicitAutograd kernel of ``.out`` (see the module docstring for why it decomposes)."""
+    def kernel(*args, workspace=None, attention_out, softmax_lse, **kwargs):
+        a = spec.bind(args, kwargs)
+        if _plain_eager(_tensors([*a.values(), workspace, attention_out, softmax_lse])):
+            # eager dispatcher call: the eager .out checks the caller's tensors before computing anything
+            return spec.fn.out(**a, workspace=workspace, attention_out=attention_out, softmax_lse=softmax_lse)
+        out, lse = op(spec.name)(*args, **kwargs)           # traced: one functional node, no data touched
+        want_lse = bool(a[spec.lse_flag])
+        check_output("attention_out", attention_out, tuple(out.shape), out.dtype, out.device)
+        if want_lse:
+            check_output("softmax_lse", softmax_lse, tuple(lse.shape), lse.dtype, lse.device,
+                         f" ({spec.lse_flag} is true)")
+        with torch.no_grad():         # as the eager write: an inference op records no autograd history
+            attention_out.copy_(out)
+            if want_lse:
+                softmax_lse.copy_(lse)
+        return attention_out, softmax_lse
     return kernel
 
 
 # ---------------------------------------------------------------------------------------------- registry
+_PAIR = "(Tensor, Tensor)"
 OPS: Dict[str, _OpSpec] = {s.name: s for s in (
-    _OpSpec(api.npu_fused_infer_attention_score,
-            lambda a: parse.parse_fused(a, api="npu_fused_infer_attention_score"), True),
-    _OpSpec(api.npu_incre_flash_attention, parse.parse_incre, False),
-    _OpSpec(api.npu_prompt_flash_attention, parse.parse_prompt, False),
+    _OpSpec(api.npu_fused_infer_attention_score, api.fused_problem, _PAIR, _attention_results(True),
+            lse_flag="softmax_lse_flag"),
+    _OpSpec(api.npu_incre_flash_attention, parse.parse_incre, "Tensor", _attention_results(False)),
+    _OpSpec(api.npu_prompt_flash_attention, parse.parse_prompt, "Tensor", _attention_results(False)),
+    _OpSpec(api.npu_fused_infer_attention_score_v2, api.v2_problem, _PAIR,
+            _attention_results(True, api.v2_results), lse_flag="return_softmax_lse"),
+    _OpSpec(api._npu_fused_infer_attention_score_get_max_workspace, api.fused_problem, "Tensor",
+            _workspace_result),
+    _OpSpec(api._npu_fused_infer_attention_score_v2_get_max_workspace, api.v2_problem, "Tensor",
+            _workspace_result),
 )}
 
 _LIB = torch.library.Library(NAMESPACE, "DEF")
@@ -180,12 +275,19 @@ for _spec in OPS.values():
         _overload = _spec.name + (".kv_list" if _kv_list else "")
         _LIB.impl(_overload, _real_kernel(_spec), "CompositeExplicitAutograd")
         torch.library.register_fake(f"{NAMESPACE}::{_overload}", _fake_kernel(_spec), lib=_LIB)
+    if _spec.lse_flag:
+        _LIB.define(op_out_schema(_spec))
+        _LIB.impl(_spec.name + ".out", _out_kernel(_spec), "CompositeImplicitAutograd")
+
+_LIB.define("npu_attention_update(Tensor[] lse, Tensor[] local_out, int update_type=0) -> (Tensor, Tensor?)")
+_LIB.impl("npu_attention_update", api.npu_attention_update, "CompositeExplicitAutograd")
+torch.library.register_fake(f"{NAMESPACE}::npu_attention_update", api.npu_attention_update, lib=_LIB)
 
 
-def op(name: str, kv_list: bool = False):
+def op(name: str, kv_list: bool = False, out: bool = False):
     """The OpOverload of a function: ``op("npu_incre_flash_attention")`` -> torch.ops.fia.....default."""
     packet = getattr(getattr(torch.ops, NAMESPACE), name)
-    return packet.kv_list if kv_list else packet.default
+    return packet.out if out else packet.kv_list if kv_list else packet.default
 
 
 # ---------------------------------------------------------------------------------------------- routing
@@ -198,11 +300,14 @@ def _host_ints(v):
     return v
 
 
-def _traced_call(spec: _OpSpec, query, key, value, kwargs: dict):
+def _traced_call(spec: _OpSpec, query, key, value, kwargs: dict, out: bool = False):
     kw = {k: (_host_ints(v) if k in _INT_LISTS and v is not None else v) for k, v in kwargs.items()}
     if isinstance(key, (list, tuple)) and isinstance(value, (list, tuple)):
+        if out:
+            raise FiaUnsupportedError(f"{spec.name}.out: graph mode has no .out overload for tensor-list "
+                                      "key/value; call the functional form", {})
         return op(spec.name, kv_list=True)(query, list(key), list(value), **kw)
-    return op(spec.name)(query, key, value, **kw)
+    return op(spec.name, out=out)(query, key, value, **kw)
 
 
 def _routed(spec: _OpSpec):
@@ -216,6 +321,38 @@ def _routed(spec: _OpSpec):
     return wrapper
 
 
+def _routed_out(spec: _OpSpec):
+    eager = spec.fn.out
+
+    @functools.wraps(eager)
+    def out_fn(query, key, value, *, workspace=None, out=None, attention_out=None, softmax_lse=None, **kwargs):
+        if torch.compiler.is_compiling():
+            a, lse, _ = caller_outputs(out, attention_out, softmax_lse)
+            _traced_call(spec, query, key, value, dict(kwargs, workspace=workspace, attention_out=a,
+                                                       softmax_lse=lse), out=True)
+            return a, lse             # the caller's own tensors (the op mutated them)
+        return eager(query, key, value, workspace=workspace, out=out, attention_out=attention_out,
+                     softmax_lse=softmax_lse, **kwargs)
+    return out_fn
+
+
+def _routed_update(fn):
+    @functools.wraps(fn)
+    def wrapper(lse, local_out, update_type=0):
+        if torch.compiler.is_compiling() and isinstance(lse, (list, tuple)) and isinstance(local_out, (list, tuple)):
+            return torch.ops.fia.npu_attention_update(list(lse), list(local_out), update_type)
+        return fn(lse, local_out, update_type)
+    return wrapper
+
+
 npu_fused_infer_attention_score = _routed(OPS["npu_fused_infer_attention_score"])
 npu_incre_flash_attention = _routed(OPS["npu_incre_flash_attention"])
 npu_prompt_flash_attention = _routed(OPS["npu_prompt_flash_attention"])
+npu_fused_infer_attention_score_v2 = _routed(OPS["npu_fused_infer_attention_score_v2"])
+_npu_fused_infer_attention_score_get_max_workspace = _routed(OPS["_npu_fused_infer_attention_score_get_max_workspace"])
+_npu_fused_infer_attention_score_v2_get_max_workspace = _routed(
+    OPS["_npu_fused_infer_attention_score_v2_get_max_workspace"])
+npu_attention_update = _routed_update(api.npu_attention_update)
+# functools.wraps copied the eager .out attribute; the public one routes too
+npu_fused_infer_attention_score.out = _routed_out(OPS["npu_fused_infer_attention_score"])
+npu_fused_infer_attention_score_v2.out = _routed_out(OPS["npu_fused_infer_attention_score_v2"])
