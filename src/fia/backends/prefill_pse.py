@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import List, Tuple
 
+import numpy as np
 import torch
 
 THRESH = 50.0
@@ -33,16 +34,18 @@ def key_tile_norms(k, tile: int):
     return kn.view(kv_n, nt, tile).amax(dim=-1)
 
 
-def needed_ranges(q, k, pse, scale: float, G: int, tile: int, kmax=None) -> List[Tuple[int, int]]:
-    """Key range [c0, c1) each kv head group needs for these rows.
+def bias_stats(pse, tile: int):
+    """Per-row tile maxima pm [N, r, nt] (float32), first row argmax jstar [N, r] and its value pstar [N, r]
+    (float32) of pse [N, r, S2]. One Numba pass on CPU (prefill_pse_kernels.py), torch ops elsewhere."""
+    if pse.device.type == "cpu" and pse.dtype in _KINDS and pse.stride(-1) == 1 and pse.numel() and _numba():
+        return _bias_stats_numba(pse, tile)
+    return _bias_stats_torch(pse, tile)
 
-    q [N, r, E] (kd), k [KV_N, S2, E] (kd), pse [N, r, S2] (view), kmax = key_tile_norms(k, tile).
-    Returns KV_N ranges (c0 < c1)."""
-    n, r, _ = q.shape
-    kv_n, s2, _ = k.shape
+
+def _bias_stats_torch(pse, tile: int):
+    n, r, s2 = pse.shape
     nt = -(-s2 // tile)
     full = s2 // tile
-    # per-row tile maxima of the bias: [N, r, nt]
     parts = []
     if full:
         parts.append(pse[:, :, :full * tile].unflatten(-1, (full, tile)).amax(dim=-1))
@@ -51,11 +54,69 @@ def needed_ranges(q, k, pse, scale: float, G: int, tile: int, kmax=None) -> List
     pm = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).to(torch.float32)   # [N, r, nt]
     # j*: the largest bias entry of the row (inside its best tile)
     tbest = pm.argmax(dim=-1)                                             # [N, r]
-    cols = (tbest * tile).unsqueeze(-1) + torch.arange(tile, device=q.device)   # [N, r, tile]
+    cols = (tbest * tile).unsqueeze(-1) + torch.arange(tile, device=pse.device)   # [N, r, tile]
     cols = cols.clamp_(max=s2 - 1)
     within = torch.gather(pse, 2, cols).argmax(dim=-1, keepdim=True)      # [N, r, 1]
     jstar = torch.gather(cols, 2, within).squeeze(-1)                     # [N, r]
     pstar = torch.gather(pse, 2, jstar.unsqueeze(-1)).squeeze(-1).to(torch.float32)
+    return pm, jstar, pstar
+
+
+# bits of +inf of the half-precision dtypes the Numba pass reads (as int16 bit patterns)
+_KINDS = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
+
+
+def _numba() -> bool:
+    try:
+        from . import prefill_pse_kernels  # noqa: F401
+        return True
+    except ImportError:  # pragma: no cover - numba missing: torch path
+        return False
+
+
+def _bias_stats_numba(pse, tile: int):
+    from . import prefill_pse_kernels as K
+    from .decode import _pool
+    n, r, s2 = pse.shape
+    nt = -(-s2 // tile)
+    inf_bits, mag = _KINDS[pse.dtype], 0x7FFF
+    bits = pse.view(torch.int16)                                      # [N, r, S2] bit patterns (a view, no copy)
+    sn, sr, _ = bits.stride()
+    span = (n - 1) * sn + (r - 1) * sr + s2
+    a = bits.as_strided((span,), (1,)).numpy()                 # the storage span, 1-D contiguous
+    pmk = np.empty((n, r, nt), a.dtype)
+    pbk = np.empty((n, r), a.dtype)
+    jstar = np.empty((n, r), np.int64)
+    nan = np.empty((n, r), np.uint8)
+    rows = n * r
+    threads = max(1, min(torch.get_num_threads(), rows * s2 // (1 << 20)))   # >= 1M scores per thread
+    cuts = [rows * i // threads for i in range(threads + 1)]
+    args, outs = (a, sn, sr, r, s2, inf_bits, tile), (pmk, pbk, jstar, nan)
+    futs = [_pool(threads - 1).submit(K.row_stats, *args, cuts[i], cuts[i + 1], *outs)
+            for i in range(1, threads)]
+    K.row_stats(*args, cuts[0], cuts[1], *outs)
+    for f in futs:
+        f.result()
+
+    def value(keys):                                           # key -> float32 (the key is an involution)
+        k = torch.from_numpy(keys)
+        sh = k.element_size() * 8 - 1
+        return (k ^ ((k >> sh) & mag)).view(pse.dtype).to(torch.float32)
+
+    pstar = value(pbk)
+    pstar[torch.from_numpy(nan).bool()] = float("nan")
+    return value(pmk), torch.from_numpy(jstar), pstar
+
+
+def needed_ranges(q, k, pse, scale: float, G: int, tile: int, kmax=None) -> List[Tuple[int, int]]:
+    """Key range [c0, c1) each kv head group needs for these rows.
+
+    q [N, r, E] (kd), k [KV_N, S2, E] (kd), pse [N, r, S2] (view), kmax = key_tile_norms(k, tile).
+    Returns KV_N ranges (c0 < c1)."""
+    n, r, _ = q.shape
+    kv_n, s2, _ = k.shape
+    nt = -(-s2 // tile)
+    pm, jstar, pstar = bias_stats(pse, tile)                             # [N, r, nt], [N, r], [N, r]
     head_kv = (torch.arange(n, device=q.device) // G).unsqueeze(-1)       # [N, 1]
     kstar = k[head_kv, jstar].to(torch.float32)                           # [N, r, E]
     qf = q.to(torch.float32)
