@@ -19,6 +19,7 @@ def fia_backend():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("s2,tile", [(300, 128), (256, 128), (97, 32), (5, 8)])
 def test_numba_stats_equal_torch(dtype, s2, tile):
+    pytest.importorskip("numba")
     g = gen(s2 * 7 + tile)
     full = (torch.randn(2, 3, 11, s2 + 3, generator=g) * 4).round().to(dtype)   # rounding makes ties
     pse = full[1, :, 2:9, 1:s2 + 1]                                              # strided view [N, r, S2]
