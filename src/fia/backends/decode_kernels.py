@@ -481,6 +481,24 @@ def pv_fused(p, buf, kind, offs, n, acc, R, Dv):
 
 # ---------------------------------------------------------------------------------------------- the pass
 @njit(fastmath=FM, cache=True)
+def token_scales(tbl, i, h, c0, n, tb, s_blk, s_h, s_s, mode, sc, off, dst_s, dst_o):
+    """Per-token dequant factors of the chunk's keys [c0, c0 + n) of query group i, KV head h: scale into
+    dst_s (and offset into dst_o when mode == 2). Token p's factor is element tbl[i, p // tb] * s_blk +
+    h * s_h + (p % tb) * s_s (by batch, or by paged block: the same addressing as the keys)."""
+    bi = c0 // tb
+    sl = c0 - bi * tb
+    for c in range(n):
+        o = tbl[i, bi] * s_blk + h * s_h + sl * s_s
+        dst_s[c] = sc[o]
+        if mode == 2:
+            dst_o[c] = off[o]
+        sl += 1
+        if sl == tb:
+            sl = 0
+            bi += 1
+
+
+@njit(fastmath=FM, cache=True)
 def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbuf,
           kt_tbl, kts, kto, vt_tbl, vts, vto, pse, mask, po, pm, pl, pany,
           qv, qa, qs, rb, rn, rs, tmp, offs, kf, vf, s, vx, koff, voff, roff, tsk, tok, tsv, tov, generic):
@@ -612,31 +630,11 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
                 sl = 0
                 bi += 1
         if kt_mode != 0:
-            tb = ip[IP_KT_BS]
-            bi = c0 // tb
-            sl = c0 - bi * tb
-            for c in range(n):
-                o = kt_tbl[i, bi] * ip[IP_KT_BLK] + h * ip[IP_KT_H] + sl * ip[IP_KT_S]
-                tsk[c] = kts[o]
-                if kt_mode == 2:
-                    tok[c] = kto[o]
-                sl += 1
-                if sl == tb:
-                    sl = 0
-                    bi += 1
+            token_scales(kt_tbl, i, h, c0, n, ip[IP_KT_BS], ip[IP_KT_BLK], ip[IP_KT_H], ip[IP_KT_S], kt_mode,
+                         kts, kto, tsk, tok)
         if vt_mode != 0:
-            tb = ip[IP_VT_BS]
-            bi = c0 // tb
-            sl = c0 - bi * tb
-            for c in range(n):
-                o = vt_tbl[i, bi] * ip[IP_VT_BLK] + h * ip[IP_VT_H] + sl * ip[IP_VT_S]
-                tsv[c] = vts[o]
-                if vt_mode == 2:
-                    tov[c] = vto[o]
-                sl += 1
-                if sl == tb:
-                    sl = 0
-                    bi += 1
+            token_scales(vt_tbl, i, h, c0, n, ip[IP_VT_BS], ip[IP_VT_BLK], ip[IP_VT_H], ip[IP_VT_S], vt_mode,
+                         vts, vto, tsv, tov)
         # ---- K chunk -> scores (the softmax scale is folded into q)
         if generic is None:
             # the fused-only build (bf16 / fp16 / int8 K and V, no rope): numba prunes every other

@@ -52,24 +52,16 @@ def user_mask(ctx: Ctx, m: torch.Tensor, *, decode: bool, b: int, q_s: int, kv_s
     need = f"Q_S >= {q_s} rows and KV_S >= {kv_s} columns"
     if decode:
         exp = f"(B, KV_S), (B, 1, KV_S) or (B, 1, 1, KV_S) with B = {b} and KV_S >= {kv_s}"
-        if m.dim() == 2:
-            v = m.unsqueeze(1)
-        elif m.dim() == 3:
-            v = m
-        elif m.dim() == 4 and shape[1] == 1:
-            v = m[:, 0]
-        else:
-            raise ctx.err("atten_mask", exp, m)
     else:
         exp = (f"(Q_S, KV_S), (1 or B, Q_S, KV_S) or (1 or B, 1, Q_S, KV_S) with B = {b}, " + need)
-        if m.dim() == 2:
-            v = m.unsqueeze(0)
-        elif m.dim() == 3:
-            v = m
-        elif m.dim() == 4 and shape[1] == 1:
-            v = m[:, 0]
-        else:
-            raise ctx.err("atten_mask", exp, m)
+    if m.dim() == 2:                    # decode: (B, KV_S) -> (B, 1, KV_S); prefill: (Q_S, KV_S) -> (1, Q_S, KV_S)
+        v = m.unsqueeze(1 if decode else 0)
+    elif m.dim() == 3:
+        v = m
+    elif m.dim() == 4 and shape[1] == 1:
+        v = m[:, 0]
+    else:
+        raise ctx.err("atten_mask", exp, m)
     if v.shape[0] not in (1, b) or v.shape[1] < max(q_s, 1 if decode else 0) or v.shape[2] < kv_s:
         raise ctx.err("atten_mask", exp, m, "a mask may be larger than needed (top-left used), never smaller")
     return v
