@@ -606,7 +606,7 @@ def _problem(q, k, v):
     for name, prm in sig.parameters.items():
         if name not in args:
             args[name] = prm.default
-    args.update(num_heads=q.shape[1], input_layout="BNSD")
+    args.update(num_heads=q.shape[1], num_key_value_heads=k.shape[1], input_layout="BNSD")
     return parse.parse_fused(args)
 
 
@@ -626,8 +626,17 @@ def test_declared_limits():
         with fia.use_backend("decode"), pytest.raises(fia.FiaUnsupportedError, match="float64"):
             fia.npu_fused_infer_attention_score(q64, q64, q64, num_heads=2, input_layout="BNSD")
     assert be.devices == ("cpu",)
+    # many query rows per KV head with Q_S > 1 (G * Q_S > 32): dispatch prefers the faster prefill backend,
+    # but decode still runs them when forced (a preference, not a limit)
+    q16 = randn((1, 8, 16, 32), g)
+    p16 = _problem(q16, k, v)
+    assert not be.not_supported_reasons(p16) and be.preference(p16) < be.priority
     if any(b.name == "prefill" for b in registry.backends()):
-        # many query rows per KV head with Q_S > 1 (G * Q_S > 32) are left to the faster prefill backend
-        q16 = randn((1, 8, 16, 32), g)
-        with fia.use_backend("decode"), pytest.raises(fia.FiaUnsupportedError, match="prefill backend is faster"):
-            fia.npu_fused_infer_attention_score(q16, k, v, num_heads=8, num_key_value_heads=2, input_layout="BNSD")
+        with fia.use_backend(None):
+            assert registry.select(p16).name == "prefill"
+    kw = dict(num_heads=8, num_key_value_heads=2, input_layout="BNSD", softmax_lse_flag=True)
+    with fia.use_backend("decode"):
+        out_d, lse_d = fia.npu_fused_infer_attention_score(q16, k, v, **kw)
+    with fia.use_backend("reference"):
+        out_r, lse_r = fia.npu_fused_infer_attention_score(q16, k, v, **kw)
+    assert (out_d.float() - out_r.float()).abs().max() < 2e-2 and (lse_d - lse_r).abs().max() < 1e-3

@@ -28,5 +28,11 @@ class Backend:
             reasons.append(f"device {p.device.type} not in {self.devices}")
         return reasons
 
+    def preference(self, p: AttentionProblem) -> int:
+        """Rank of this backend for p among those that can run it (higher wins; default: priority). A speed
+        preference that depends on the problem belongs here, not in not_supported_reasons: a backend
+        forced with fia.use_backend still runs every problem it supports."""
+        return self.priority
+
     def run(self, p: AttentionProblem) -> BackendResult:  # pragma: no cover - interface
         raise NotImplementedError

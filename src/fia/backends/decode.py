@@ -37,6 +37,7 @@ import torch
 
 from ..spec.problem import AttentionProblem
 from .base import Backend, BackendResult
+from .prefill import PrefillBackend
 
 MAX_Q_S = 16
 PREFIX_ROWS = 64            # rows of one prefix work group: the prefix is read once per group of batches
@@ -44,7 +45,8 @@ MIN_SPLIT = 512             # fewest keys of a split (smaller splits cost more i
 ITEMS_PER_THREAD = 4        # split long sequences until there are about this many items per thread
 CHUNK_FLOATS = 32768        # keys per chunk = CHUNK_FLOATS // head dim (256 for D = 128), measured best
 PARALLEL_MIN_WORK = 16384   # keys x rows below which one thread does everything (no pool hand-off)
-PREFILL_ROWS = 32           # Q_S > 1 with more rows per KV head than this: leave it to the prefill backend
+PREFILL_ROWS = 32           # Q_S > 1 with more rows per KV head than this: prefer the prefill backend
+PREFILL_PRIORITY = PrefillBackend.priority
 _BIG = 1 << 40              # "infinite" block size of unpaged storage
 
 _K = None                   # the kernel module, imported lazily (numba import + cache load)
@@ -140,22 +142,17 @@ class DecodeBackend(Backend):
                 break
         if p.prefix is not None and any(g.kv_lo != 0 for g in p.geometry):
             r.append("shared prefix with a KV window not starting at 0")
-        if not r and p.Q_S > 1 and p.G * p.Q_S > PREFILL_ROWS and _prefill_can_run(p):
-            r.append(f"G * Q_S = {p.G * p.Q_S} > {PREFILL_ROWS} query rows per KV head with Q_S > 1: the prefill "
-                     "backend is faster there (measured, docs/PERF_DECODE.md)")
         return r
+
+    def preference(self, p: AttentionProblem) -> int:
+        """Q_S > 1 with more than PREFILL_ROWS query rows per KV head: rank below the prefill backend, which
+        is faster there (measured, docs/PERF_DECODE.md iteration 11); it still runs when forced."""
+        if p.Q_S > 1 and p.G * p.Q_S > PREFILL_ROWS:
+            return PREFILL_PRIORITY - 1
+        return self.priority
 
     def run(self, p: AttentionProblem) -> BackendResult:
         return _run(p, _kernels())
-
-
-def _prefill_can_run(p: AttentionProblem) -> bool:
-    """Whether the prefill backend (issue 8) is registered and takes p (it is faster for many rows)."""
-    from . import registry
-    for b in registry.backends():
-        if b.name == "prefill":
-            return not b.not_supported_reasons(p)
-    return False
 
 
 # ---------------------------------------------------------------------------------------------- the run

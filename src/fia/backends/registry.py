@@ -41,12 +41,17 @@ def select(p: AttentionProblem) -> Backend:
         if why:
             raise FiaBackendUnavailable(f"backend {forced!r} (forced) cannot run this problem", {forced: why})
         return b
-    report = {}
-    for b in _BACKENDS:
+    report, able = {}, []
+    for b in _BACKENDS:                     # priority order: the first of equal preference wins
         why = b.not_supported_reasons(p)
-        if not why:
-            return b
-        report[b.name] = why
-    raise FiaUnsupportedError("no FIA backend can run this problem", report)
+        if why:
+            report[b.name] = why
+        else:
+            able.append(b)
+    if not able:
+        raise FiaUnsupportedError("no FIA backend can run this problem", report)
+    return max(able, key=lambda b: b.preference(p))
+
+
 from .prefill import PrefillBackend as _Prefill; register(_Prefill())  # noqa: E402,E702  issue 8: fast CPU prefill
 from .decode import DecodeBackend as _Decode; register(_Decode())  # noqa: E402,E702  issue 7: fast CPU decode
