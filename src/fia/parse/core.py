@@ -74,7 +74,9 @@ def parse_fused(a: dict, api: str = "npu_fused_infer_attention_score", aliases: 
         bt = ctx.tensor("block_table", a["block_table"])
         bs = ctx.integer("block_size", a["block_size"])
         cap = bt.shape[-1] * bs if bt.dim() == 2 and bs > 0 else 2 ** 62
-        kv_lens = L.per_batch(ctx, "actual_seq_lengths_kv", kv_lens_raw, b, (cap,) * b)
+        kv_lens = L.per_batch(ctx, "actual_seq_lengths_kv", kv_lens_raw, b, (cap,) * b,
+                              f"paged KV: block_table has {bt.shape[-1]} columns x block_size {bs} = {cap} "
+                              "positions per batch" if cap < 2 ** 62 else "paged KV")
         kv, dv, kv_s = paged_kv(ctx, layout, qd, b, key, value, key_rope, bt, bs, kv_lens, decode=decode,
                                 kv_dtype=T.raw_kv_dtypes(key, value)[0], pack=kind.pack,
                                 allow_dv_differs=allow_dv)

@@ -10,8 +10,9 @@ MAX_T = 1048576
 
 
 def per_batch(ctx: Ctx, name: str, lens: Optional[Tuple[int, ...]], b: int,
-              limits: Sequence[int]) -> Tuple[int, ...]:
-    """Right-padded lengths: None -> the physical lengths; size 1 -> every batch; size >= B -> first B."""
+              limits: Sequence[int], limit_is: str = "the sequence length of batch {i}") -> Tuple[int, ...]:
+    """Right-padded lengths: None -> the physical lengths; size 1 -> every batch; size >= B -> first B.
+    limit_is says in the error what bounds the values ({i}: the batch index)."""
     if lens is None:
         return tuple(limits)
     if len(lens) == 1:
@@ -22,7 +23,7 @@ def per_batch(ctx: Ctx, name: str, lens: Optional[Tuple[int, ...]], b: int,
         raise ctx.err(name, f"1 or at least B = {b} entries", f"{len(lens)} entries")
     for i, (v, lim) in enumerate(zip(lens, limits)):
         if v < 0 or v > lim:
-            raise ctx.err(name, f"values in [0, {lim}] (the sequence length of batch {i})", f"{v} at index {i}")
+            raise ctx.err(name, f"values in [0, {lim}] ({limit_is.format(i=i)})", f"{v} at index {i}")
     return tuple(lens)
 
 
