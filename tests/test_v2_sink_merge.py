@@ -178,6 +178,16 @@ def test_v2_error_names_v2_argument():
         F2(q, k, v, num_query_heads=n, num_key_value_heads=kv_n, input_layout="BSND", actual_seq_kvlen=[30])
 
 
+def test_v2_int8_query_without_dequant_scale_query_names_v2_argument():
+    """Full int8 (dequant_scale1 & co) is not reachable through v2: the error names v2's own argument."""
+    g = gen(4)
+    q = torch.randint(-5, 5, (1, 8, 4, 64), dtype=torch.int8, generator=g)
+    k = torch.randint(-5, 5, (1, 2, 16, 64), dtype=torch.int8, generator=g)
+    with pytest.raises(fia.FiaInputError, match="npu_fused_infer_attention_score\\b") as e:
+        F2(q, k, k, num_query_heads=8, num_key_value_heads=2, input_layout="BNSD")
+    assert e.value.argument == "dequant_scale_query" and "dequant_scale1" in str(e.value)
+
+
 # ------------------------------------------------------------------------------------- attention update
 @pytest.mark.parametrize("parts", [2, 3, 4])
 @pytest.mark.parametrize("masked", [False, True])

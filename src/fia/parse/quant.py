@@ -71,6 +71,10 @@ def classify(ctx: Ctx, a: dict, query: torch.Tensor, kdt: torch.dtype, vdt: torc
                       f"dtype {dtype_name(kdt)}")
     if qmode != 0:
         raise ctx.err("dequant_scale_query", f"a float32 (B, Q_N, Q_S) tensor with query_quant_mode {qmode}", "None")
+    if ctx.api.endswith("_v2"):         # full int8 is not reachable through the v2 names (SPEC 1.1b)
+        raise ctx.err("dequant_scale_query", "a float32 (B, Q_N, Q_S) tensor with query_quant_mode 3 for an int8 "
+                      "query (full int8 quantization with dequant_scale1 / quant_scale1 / dequant_scale2 is only "
+                      "reachable through npu_fused_infer_attention_score)", "None")
     if kdt != torch.int8:
         raise ctx.err("key", "dtype int8 with an int8 query (full quantization)", f"dtype {dtype_name(kdt)}")
     for name in COMBINED + SEPARATE:
