@@ -82,6 +82,9 @@ class Ceilings:
     cpu: str = field(default_factory=lambda: _cpu_name())
     torch_version: str = torch.__version__
     cpu_capability: str = field(default_factory=lambda: _cpu_capability())
+    # OpenMP workers that spin after each torch op take a core from the next call on small machines
+    # (docs/PERF_DECODE.md, deployment note); scripts/main.sh sets PASSIVE
+    omp_wait_policy: str = field(default_factory=lambda: os.environ.get("OMP_WAIT_POLICY", "unset"))
 
     def prefill_ceiling(self, dtype_name: str):
         """(TFLOP/s, basis) — the best of the dtype's native mm and fp32 mm (see module doc)."""
