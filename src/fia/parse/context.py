@@ -5,6 +5,7 @@ Every error names the argument as the *caller* spelled it (npu_incre_flash_atten
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Dict, Iterable
 
@@ -37,11 +38,21 @@ class Ctx:
         """The caller's spelling of an argument."""
         return self.aliases.get(name, name)
 
+    def spell(self, text: str) -> str:
+        """Other arguments named inside a message, in the caller's spelling too (npu_fused_infer_attention_score_v2
+        says `dequant_scale_key`, not `key_antiquant_scale`). Only snake_case names are rewritten: a plain word
+        like "scale" is also ordinary English."""
+        names = [c for c, n in self.aliases.items() if "_" in c and c != n]
+        if not names:
+            return text
+        pat = re.compile(r"(?<![A-Za-z0-9_])(" + "|".join(map(re.escape, names)) + r")(?![A-Za-z0-9_])")
+        return pat.sub(lambda m: self.aliases[m.group(1)], text)
+
     def err(self, name: str | None, expected: str, received, hint: str | None = None,
             *, status: int = ACLNN_ERR_PARAM_INVALID) -> FiaInputError:
         arg = self.n(name) if name else None
         got = received if isinstance(received, str) else describe(received)
-        return input_error(arg, expected, got, hint, status=status)
+        return input_error(arg, self.spell(expected), got, self.spell(hint) if hint else hint, status=status)
 
     def hw(self, name: str, expected: str, received, hint: str | None = None) -> FiaInputError | None:
         """A hardware-only rule: an error in strict mode, nothing in portable mode."""
@@ -71,6 +82,14 @@ class Ctx:
             exp = what or ("dtype " + " or ".join(dtype_name(d) for d in allowed))
             raise self.err(name, exp, f"dtype {dtype_name(t.dtype)}")
 
+    def host(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """A tensor whose *values* are read on the host (lengths, block ids, padding sizes, per-tensor int8
+        scales, scalar tensors): a meta tensor has no values to read -- an input error, not torch's
+        NotImplementedError / RuntimeError from .item() / .tolist()."""
+        if t.device.type == "meta":
+            raise self.err(name, "a tensor with data (its values are read on the host)", "a meta tensor")
+        return t
+
     def integer(self, name: str, x) -> int:
         if isinstance(x, bool) or not isinstance(x, int):
             try:
@@ -81,7 +100,7 @@ class Ctx:
                 pass
             if isinstance(x, torch.Tensor) and x.numel() == 1 and not x.is_floating_point() \
                     and x.dtype != torch.bool:
-                return int(x.item())
+                return int(self.host(name, x).item())
             raise self.err(name, "an integer", describe(x))
         return int(x)
 
@@ -93,8 +112,9 @@ class Ctx:
                     return float(x)
             except ImportError:  # pragma: no cover
                 pass
-            if isinstance(x, torch.Tensor) and x.numel() == 1:
-                return float(x.item())
+            if isinstance(x, torch.Tensor) and x.numel() == 1 and x.dtype != torch.bool \
+                    and not x.is_complex():
+                return float(self.host(name, x).item())
             raise self.err(name, "a number", describe(x))
         return float(x)
 
@@ -107,7 +127,7 @@ class Ctx:
                 raise self.err(name, "a list of ints or an int32/int64 tensor", x)
             if x.dim() > 1:
                 raise self.err(name, "a 1-D sequence of ints", x)
-            return tuple(int(v) for v in x.reshape(-1).tolist())
+            return tuple(int(v) for v in self.host(name, x).reshape(-1).tolist())
         try:
             import numpy as np
             if isinstance(x, np.ndarray):

@@ -28,11 +28,18 @@ def parse_fused(a: dict, api: str = "npu_fused_infer_attention_score", aliases: 
     query = ctx.tensor("query", a["query"], optional=False)
     key = T.kv_arg(ctx, "key", a["key"])
     value = T.kv_arg(ctx, "value", a["value"])
+    _optional_tensors(ctx, a)
+    _same_device(ctx, query, a)
     layout = T.parse_layout(ctx, a["input_layout"])
     if decode_only and layout.name not in ("BSH", "BSND", "BNSD"):
         raise ctx.err("input_layout", "BSH, BSND or BNSD for npu_incre_flash_attention", layout.name)
     T.query_dtype(ctx, query)
     reject_unimplemented(ctx, a)
+    # integer attributes only some calls use are still integers (torch_npu's schema types them `int`): a str,
+    # float, bool or None is an error even where the value itself is ignored (block_size without block_table,
+    # SPEC 15.11; antiquant modes with float key/value). Their ranges are checked where they are used.
+    for name in ("block_size", "antiquant_mode", "key_antiquant_mode", "value_antiquant_mode"):
+        ctx.integer(name, a.get(name, 0))
     qd = T.query_dims(ctx, layout, query, a["num_heads"], a["num_key_value_heads"])
     T.same_kind(ctx, key, value)
     key, value = T.split_list(layout, query, key, value)
@@ -198,6 +205,45 @@ def parse_fused(a: dict, api: str = "npu_fused_infer_attention_score", aliases: 
         scale=scale, row_invalid_fix=bool(ip & 2), high_precision=not (ip & 1), want_lse=bool(lse_flag),
         is_decode=decode, strict=ctx.strict, query_rope=q_rope, prefix=prefix, antiquant=antiquant,
         full_quant=full, query_dequant=qdq, out_quant=out_q, sink=sink)
+
+
+# arguments whose values are only read on the host (ctx.host rejects meta): they may live on any device --
+# torch_npu's int[] lengths, and the block table / padding sizes / per-tensor int8 scales, which graph mode
+# replaces by CPU stand-ins while tracing (fia.ops._HOST_READ) whatever the query's device
+_HOST_ARGS = ("actual_seq_lengths", "actual_seq_lengths_kv", "actual_shared_prefix_len", "block_table",
+              "query_padding_size", "kv_padding_size", "dequant_scale1", "quant_scale1", "dequant_scale2")
+
+
+# optional tensor arguments (torch_npu's `Tensor?`); the padding sizes also take a Python int (sequence.py)
+_OPTIONAL_TENSORS = (
+    "pse_shift", "atten_mask", "dequant_scale1", "quant_scale1", "dequant_scale2", "quant_scale2", "quant_offset2",
+    "antiquant_scale", "antiquant_offset", "key_antiquant_scale", "key_antiquant_offset", "value_antiquant_scale",
+    "value_antiquant_offset", "block_table", "key_shared_prefix", "value_shared_prefix", "query_rope", "key_rope",
+    "key_rope_antiquant_scale", "dequant_scale_query", "learnable_sink")
+
+
+def _optional_tensors(ctx: Ctx, a: dict) -> None:
+    """An optional tensor argument is None or a tensor -- checked before any rule pairs it with another one,
+    so `quant_offset2="abc"` is reported as what it is, not as "quant_scale2: a tensor when quant_offset2 is
+    given" (and query_rope=3 not as a missing key_rope)."""
+    for name in _OPTIONAL_TENSORS:
+        ctx.tensor(name, a.get(name))
+
+
+def _same_device(ctx: Ctx, query: torch.Tensor, a: dict) -> None:
+    """Every tensor argument the computation reads lives on the query's device (DECISIONS 20).
+
+    Without this a key (or mask, pse, scale...) on another device reaches a CPU kernel that reads its data
+    pointer: a meta tensor has none (segmentation fault), a CUDA one is not host memory."""
+    dev = query.device
+    for name, x in a.items():
+        if name in _HOST_ARGS or name == "query":
+            continue
+        items = list(enumerate(x)) if name in ("key", "value") and isinstance(x, (list, tuple)) else [(None, x)]
+        for i, t in items:
+            if isinstance(t, torch.Tensor) and t.device != dev:
+                where = "" if i is None else f" (list element {i})"
+                raise ctx.err(name, f"a tensor on {dev} (the query's device)", f"a tensor on {t.device}{where}")
 
 
 def _check_layout_use(ctx: Ctx, layout, decode: bool, q_s: int, query: torch.Tensor, a: dict) -> None:

@@ -84,7 +84,7 @@ def paged_kv(ctx: Ctx, layout: Layout, qd: QueryDims, b: int, key, value, key_ro
     if mb < need:
         raise ctx.err("block_table", f"at least {need} columns (ceil(max actual_seq_lengths_kv / block_size))",
                       bt)
-    host = bt.to("cpu", torch.int64)
+    host = ctx.host("block_table", bt).to("cpu", torch.int64)
     cols = torch.arange(mb).unsqueeze(0)                                         # [1, MB]
     used = cols < torch.tensor([(n + bs - 1) // bs for n in kv_lens], dtype=torch.int64).unsqueeze(1)
     bad = used & ((host < 0) | (host >= nb))                                     # [B, MB]
@@ -93,4 +93,6 @@ def paged_kv(ctx: Ctx, layout: Layout, qd: QueryDims, b: int, key, value, key_ro
         raise ctx.err("block_table", f"block ids in [0, {nb}) for every used entry (blocknum = {nb})",
                       f"{int(host[i, j])} at [{i}, {j}]", "FIA range-checks block ids instead of reading out of bounds")
     table = tuple(tuple(r) for r in host.tolist())
-    return PagedKV(kc, vc, bt, bs, table, krc), vc.shape[3] * pack, mb * bs
+    # the table may live on another device than the cache (host-read, see core._HOST_ARGS): backends get it
+    # beside the cache
+    return PagedKV(kc, vc, bt.to(kc.device), bs, table, krc), vc.shape[3] * pack, mb * bs

@@ -32,6 +32,12 @@ class QuantKind:
 
 def classify(ctx: Ctx, a: dict, query: torch.Tensor, kdt: torch.dtype, vdt: torch.dtype) -> QuantKind:
     if kdt != vdt:
+        # blame the one whose dtype no call takes with this query (a float64 key beside a float16 value is the
+        # key's error, not "value: expected dtype float64"); when both are possible, the value follows the key
+        ok = (torch.int8, torch.float16, torch.bfloat16) if query.dtype == torch.int8 else \
+            (query.dtype, torch.int8, torch.int32)
+        if kdt not in ok and vdt in ok:
+            raise ctx.err("key", f"dtype {dtype_name(vdt)} (the value's)", f"dtype {dtype_name(kdt)}")
         raise ctx.err("value", f"dtype {dtype_name(kdt)} (the key's)", f"dtype {dtype_name(vdt)}")
     qmode = ctx.integer("query_quant_mode", a.get("query_quant_mode", 0))
     dsq = a.get("dequant_scale_query")
@@ -96,7 +102,7 @@ def _per_tensor_float(ctx: Ctx, name: str, t, *, uint64_ok: bool) -> float:
                       f"dtype {dtype_name(t.dtype)}")
     if t.numel() != 1:
         raise ctx.err(name, "a per-tensor scale with one element", t)
-    v = t.reshape(-1)[0].item()
+    v = ctx.host(name, t).reshape(-1)[0].item()
     if t.dtype in (torch.int64, torch.uint64):   # low 32 bits hold the float32 bit pattern
         v = struct.unpack("<f", struct.pack("<I", int(v) & 0xFFFFFFFF))[0]
     return float(v)
@@ -228,7 +234,7 @@ def _combined(ctx: Ctx, a: dict, kind: QuantKind, q_dtype, e: KVExtent, *, decod
     if mode not in (0, 1):
         raise ctx.err("antiquant_mode", "0 (per-tensor/per-channel) or 1 (per-token)", mode)
     if mode == 1 and not decode:
-        raise ctx.err("antiquant_mode", "0 for Q_S > 1 (per-token combined dequantization is decode only)", mode)
+        raise ctx.err("antiquant_mode", "0 unless Q_S = 1 (per-token combined dequantization is decode only)", mode)
     if not decode and ctx.strict and q_dtype != torch.float16:
         raise ctx.hw("antiquant_scale", "a float16 query for combined dequantization with Q_S > 1",
                      f"a {dtype_name(q_dtype)} query")
@@ -270,7 +276,7 @@ def _separate(ctx: Ctx, a: dict, kind: QuantKind, q_dtype, e: KVExtent, *, decod
         raise ctx.err("key_antiquant_mode", "0..3 without block_table (modes 4/5 store scales by paged block)", km)
     if not decode:
         if km not in (0, 1) or vm != km:
-            raise ctx.err("key_antiquant_mode", "0 or 1 (equal for key and value) for Q_S > 1", f"{km}/{vm}")
+            raise ctx.err("key_antiquant_mode", "0 or 1 (equal for key and value) unless Q_S = 1", f"{km}/{vm}")
         if ctx.strict:
             if q_s > 16:
                 raise ctx.hw("query", "Q_S <= 16 with separate key/value dequantization", f"Q_S = {q_s}")
@@ -307,7 +313,7 @@ def output_quant(ctx: Ctx, a: dict, *, q_dtype, n: int, dv: int, out_layout: str
     qs, qo = a.get("quant_scale2"), a.get("quant_offset2")
     if qs is None:
         if qo is not None:
-            raise ctx.err("quant_scale2", "a tensor when quant_offset2 is given", "None")
+            raise ctx.err("quant_scale2", f"a tensor when {ctx.n('quant_offset2')} is given", "None")
         return None
     qs = ctx.tensor("quant_scale2", qs)
     if int4:

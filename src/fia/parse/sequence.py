@@ -20,7 +20,7 @@ def padding_size(ctx: Ctx, name: str, x) -> Optional[int]:
     if isinstance(x, torch.Tensor):
         if x.numel() != 1 or x.dtype not in (torch.int64, torch.int32):
             raise ctx.err(name, "a one-element int64 tensor", x)
-        v = int(x.reshape(-1)[0].item())
+        v = int(ctx.host(name, x).reshape(-1)[0].item())
     else:
         v = ctx.integer(name, x)
     return max(v, 0)
@@ -58,6 +58,9 @@ def shared_prefix(ctx: Ctx, layout: Layout, qd: QueryDims, key, kp, vp, plen_raw
     _, d = heads_and_dim(ctx, layout, kp, qd.KV_N, "key_shared_prefix", "num_key_value_heads")
     if d * pack != qd.D:
         raise ctx.err("key_shared_prefix", f"head dim D = {qd.D // pack} like key", kp)
+    if layout.inp == "BSH" and vp.shape[2] % qd.KV_N:
+        # checked before the canonical view: unflatten would raise a RuntimeError on an indivisible H
+        raise ctx.err("value_shared_prefix", f"H divisible by KV_N = {qd.KV_N} like value", vp)
     kc = to_canonical(kp, layout.inp, qd.KV_N)[0]          # [KV_N, P_S, D]
     vc = to_canonical(vp, layout.inp, qd.KV_N)[0]          # [KV_N, P_S, Dv]
     if vp.shape != kp.shape and vc.shape[:2] != kc.shape[:2]:

@@ -110,6 +110,14 @@ def _value_dim(ctx: Ctx, layout: Layout, value: torch.Tensor, kv_n: int, name: s
     return value.shape[-1]
 
 
+def _bsh_hint(ctx: Ctx, layout: Layout, qd: QueryDims) -> Optional[str]:
+    """BSH derives D from H and the head counts: say so when a D disagrees (a wrong head count is the usual cause)."""
+    if layout.inp != "BSH":
+        return None
+    return (f"BSH: the query's D = H / {ctx.n('num_heads')} = {qd.N * qd.D} / {qd.N}, the key's D = H / "
+            f"{ctx.n('num_key_value_heads')} (0 = {ctx.n('num_heads')}) = H / {qd.KV_N}")
+
+
 def dense_kv(ctx: Ctx, layout: Layout, qd: QueryDims, key: torch.Tensor, value: torch.Tensor,
              key_rope: Optional[torch.Tensor], *, allow_dv_differs: bool, pack: int = 1):
     """Dense / packed KV. Returns (storage, real Dv, per-batch physical KV lengths or None for packed).
@@ -122,7 +130,7 @@ def dense_kv(ctx: Ctx, layout: Layout, qd: QueryDims, key: torch.Tensor, value: 
     _, kd = heads_and_dim(ctx, layout, key, kv_n, "key", "num_key_value_heads")
     if kd * pack != d:
         raise ctx.err("key", f"head dim D = {d // pack} (the query's D = {d}" + (" / 8 for int4)" if pack > 1 else ")"),
-                      f"D = {kd} ({tuple(key.shape)})")
+                      f"D = {kd} ({tuple(key.shape)})", _bsh_hint(ctx, layout, qd))
     vd = _value_dim(ctx, layout, value, kv_n) * pack
     if key.shape[:-1] != value.shape[:-1] or (vd != d and not allow_dv_differs) \
             or (layout.inp == "BSH" and value.shape[2] % kv_n):
@@ -131,6 +139,9 @@ def dense_kv(ctx: Ctx, layout: Layout, qd: QueryDims, key: torch.Tensor, value: 
     if key_rope is not None:
         if key_rope.dim() != layout.rank or key_rope.shape[:-1] != key.shape[:-1]:
             raise ctx.err("key_rope", f"the shape of key {tuple(key.shape)} except the last dim", key_rope)
+        if layout.inp == "BSH" and key_rope.shape[2] % kv_n:
+            # checked before the canonical view: unflatten would raise a RuntimeError on an indivisible H
+            raise ctx.err("key_rope", f"H divisible by num_key_value_heads = {kv_n}", key_rope)
         krc = to_canonical(key_rope, layout.inp, kv_n)
     kc, vc = to_canonical(key, layout.inp, kv_n), to_canonical(value, layout.inp, kv_n)
     if layout.packed:
@@ -168,7 +179,9 @@ def list_kv(ctx: Ctx, layout: Layout, qd: QueryDims, keys: tuple, values: tuple,
                           "the same dtype in every list element", f"element {i}: {k.dtype}/{v.dtype}")
         _, kd = heads_and_dim(ctx, layout, k, qd.KV_N, "key", "num_key_value_heads")
         if kd * pack != qd.D:
-            raise ctx.err("key", f"head dim D = {qd.D // pack} in every list element", f"element {i}: D = {kd}")
+            raise ctx.err("key", f"head dim D = {qd.D // pack} in every list element (the query's D = {qd.D}" +
+                          (" / 8: int32 key/value hold packed int4)" if pack > 1 else ")"), f"element {i}: D = {kd}",
+                          _bsh_hint(ctx, layout, qd))
         if k.shape != v.shape:
             raise ctx.err("value", f"element {i} shaped like key {tuple(k.shape)}", v)
         ks.append(to_canonical(k, layout.inp, qd.KV_N)[0])
