@@ -8,6 +8,10 @@ and key window [kv_lo, kv_hi) in physical coordinates (right padding: (0, act)).
   correction (inner_precise bit 1 clear) the -1e12 fill makes the softmax uniform over all the batch's valid
   keys: out = mean of V over [kv_lo, kv_hi), lse = -1e12 + log(count); with bit 1 set: out 0, lse +inf;
 * every other row: ordinary softmax attention over the valid keys that are not masked.
+
+Optional learnable sink (SPEC 1.1b, one float per query head): one extra score column per row that no mask
+hides and that carries no value. Rows with no key at all (geometry, lengths) stay 0 / +inf; a row whose
+keys are all user-masked puts all its weight on the sink (out 0, lse = sink, whatever inner_precise says).
 """
 from __future__ import annotations
 
@@ -45,10 +49,11 @@ def band_masked(s1: int, s2: int, sparse_mode: int, pre: int, nxt: int, has_mask
     raise ValueError(f"naive: sparse_mode {sparse_mode}")
 
 
-def one_batch(q, k, v, *, scale, q_win, kv_win, mask, sparse_mode, pre, nxt, pse, inner_precise):
+def one_batch(q, k, v, *, scale, q_win, kv_win, mask, sparse_mode, pre, nxt, pse, inner_precise, sink=None):
     """q [N, Sq, D], k [KV_N, Skv, D], v [KV_N, Skv, Dv] (float64, physical coordinates);
     mask: None or bool [>=Sq, >=Skv] (physical, True = masked, only used in modes 0/1);
-    pse: None or float64 [N, >=Sq, >=Skv] (physical). Returns out [N, Sq, Dv], lse [N, Sq]."""
+    pse: None or float64 [N, >=Sq, >=Skv] (physical); sink: None or float64 [N].
+    Returns out [N, Sq, Dv], lse [N, Sq]."""
     n_q, s_q, _ = q.shape
     kv_n, _, dv = v.shape
     g = n_q // kv_n
@@ -76,11 +81,18 @@ def one_batch(q, k, v, *, scale, q_win, kv_win, mask, sparse_mode, pre, nxt, pse
             s = s + pse[n, q_lo:q_hi, kv_lo:kv_hi]              # ... then the additive bias
         s = s.masked_fill(masked, FILL)
         m = s.max(dim=1, keepdim=True).values
+        if sink is not None:                                    # the sink column takes part in max and sum
+            m = torch.clamp(m, min=float(sink[n]))
         e = torch.exp(s - m)
-        p = e / e.sum(dim=1, keepdim=True)
+        den = e.sum(dim=1, keepdim=True)
+        if sink is not None:
+            den = den + torch.exp(float(sink[n]) - m)
+        p = e / den
         o = p @ vs
-        l = (m + torch.log(e.sum(dim=1, keepdim=True))).squeeze(1)
-        dead = geo_empty | (user_empty if inner_precise & 2 else torch.zeros_like(geo_empty))
+        l = (m + torch.log(den)).squeeze(1)
+        # a sink absorbs fully user-masked rows (out ~ 0, lse ~ sink): only geometry-empty rows are dead then
+        row_fix = bool(inner_precise & 2) and sink is None
+        dead = geo_empty | (user_empty if row_fix else torch.zeros_like(geo_empty))
         o[dead] = 0.0
         l[dead] = math.inf
         out[n, q_lo:q_hi] = o
@@ -90,7 +102,7 @@ def one_batch(q, k, v, *, scale, q_win, kv_win, mask, sparse_mode, pre, nxt, pse
 
 def attention(q, k, v, *, scale: float = 1.0, q_windows: Optional[Sequence] = None,
               kv_windows: Optional[Sequence] = None, mask=None, sparse_mode: int = 0, pre_tokens: int = INT_MAX,
-              next_tokens: int = INT_MAX, pse=None, inner_precise: int = 0, stack: bool = True):
+              next_tokens: int = INT_MAX, pse=None, inner_precise: int = 0, stack: bool = True, sink=None):
     """Batched driver. q: [B, N, Sq, D] or a list of B [N, Sq_b, D]; k, v likewise with KV_N heads.
     q_windows / kv_windows: per-batch (lo, hi), default the full length. mask: None, a bool tensor
     [B, Sq, Skv] or a list of per-batch [Sq_b, Skv_b] (physical). pse: None, [B, N, Sq, Skv] or a list.
@@ -106,7 +118,8 @@ def attention(q, k, v, *, scale: float = 1.0, q_windows: Optional[Sequence] = No
         mi = None if mask is None else mask[i]
         pi = None if pse is None else pse[i].double()
         o, l = one_batch(qi, ki, vi, scale=scale, q_win=qw, kv_win=kw, mask=mi, sparse_mode=sparse_mode,
-                         pre=pre_tokens, nxt=next_tokens, pse=pi, inner_precise=inner_precise)
+                         pre=pre_tokens, nxt=next_tokens, pse=pi, inner_precise=inner_precise,
+                         sink=None if sink is None else sink.double())
         outs.append(o)
         lses.append(l)
     if stack and b and all(o.shape == outs[0].shape for o in outs):

@@ -564,6 +564,20 @@ def test_query_dequant_int8_query(small_splits):
     compare((q8, k, v), kw)
 
 
+def test_query_dequant_int8_query_with_rope(small_splits):
+    """MLA with an int8 query: dequant_scale_query scales the int8 query only, never the float16 query_rope
+    (regression: the kernel multiplied the rope columns by the query scale too; found by test_fuzz_random)."""
+    g = gen("qdq-rope")
+    b, n, s, d, dr = 2, 4, 24, 64, 64
+    q8 = rint8((b, n, 1, d), g)
+    k = randn((b, 1, s, d), g, F16)
+    kw = dict(num_heads=n, num_key_value_heads=1, input_layout="BNSD", scale=0.1, softmax_lse_flag=True,
+              query_rope=randn((b, n, 1, dr), g, F16), key_rope=randn((b, 1, s, dr), g, F16),
+              dequant_scale_query=runif((b, n, 1), g, 0.002, 0.02), query_quant_mode=3,
+              actual_seq_lengths_kv=[24, 9])
+    compare((q8, k, k), kw)
+
+
 @pytest.mark.parametrize("per_channel", [False, True])
 def test_output_quant(per_channel):
     g = gen("oq", per_channel)

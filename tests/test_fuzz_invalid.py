@@ -28,9 +28,8 @@ problem (FiaBackendUnavailable: nothing to compare), but an invalid one must fai
 since validation runs before dispatch.
 
 A `same` mutation (non-contiguous input) that only a backend gets wrong -- the reference backend computes the
-unmutated result -- is a backend bug, outside the validation layer: it is reported as an expected failure
-(pytest.xfail, not strict, so the case passes by itself once the backend is fixed). The end of the file holds
-every finding of this fuzzer as a fixed regression case.
+unmutated result -- is a backend bug, outside the validation layer: it fails with a message saying so. The end
+of the file holds every finding of this fuzzer as a fixed regression case.
 """
 from __future__ import annotations
 
@@ -1655,8 +1654,7 @@ def judge(base: Call, mut: Mut, base_res, forced: Optional[str] = None):
 
 def known_backend_finding(mut: Mut, base_res, forced: Optional[str]) -> None:
     """A non-contiguous input the reference backend computes right but the chosen (or forced) backend does not:
-    a backend bug (src/fia/backends is not part of the validation layer), reported and expected to fail here
-    until the backend is fixed (pytest.xfail: the case passes again by itself once it is)."""
+    a backend bug (src/fia/backends is not part of the validation layer), reported as such."""
     if "non-contiguous" not in mut.label or forced == "reference":
         return
     with fia.use_backend("reference"):
@@ -1665,7 +1663,7 @@ def known_backend_finding(mut: Mut, base_res, forced: Optional[str]) -> None:
         assert_same(ref, base_res)
     except AssertionError:
         return                     # the reference disagrees too: not (only) a backend stride bug
-    pytest.xfail(f"backend finding: {forced or 'the automatically chosen backend'} computes a wrong result for "
+    pytest.fail(f"backend finding: {forced or 'the automatically chosen backend'} computes a wrong result for "
                  f"a non-contiguous input the reference backend gets right ({mut.label})")
 
 
@@ -1834,8 +1832,9 @@ def test_finding_update_nan_lse_propagates():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_finding_noncontiguous_head_dim(backend):
-    """BACKEND FINDING (reported, not fixed here): a key/value/query whose last axis has a stride != 1 must give
-    the contiguous result. The prefill backend ignored that stride (wrong numbers, no error)."""
+    """BACKEND FINDING (fixed): a key/value/query whose last axis has a stride != 1 must give the contiguous
+    result. The prefill backend ignored that stride (wrong numbers, no error): the ATen flash kernel assumes a
+    unit head-dim stride, so prefill now copies such an input."""
     q, k, v = _q(2, 1, 3, 16), _q(2, 1, 6, 16), _q(2, 1, 6, 16)
     with fia.use_backend(backend):
         try:
@@ -1847,6 +1846,5 @@ def test_finding_noncontiguous_head_dim(backend):
             args[name] = noncontig(args[name])
             got = fia.npu_fused_infer_attention_score(args["query"], args["key"], args["value"], num_heads=1,
                                                       input_layout="BNSD")[0]
-            if not torch.allclose(got.float(), want.float(), atol=2e-3, rtol=2e-3):
-                pytest.xfail(f"backend finding: {backend} computes a wrong result for a {name} with a strided "
-                             "head dim")
+            assert torch.allclose(got.float(), want.float(), atol=2e-3, rtol=2e-3), \
+                f"{backend} computes a wrong result for a {name} with a strided head dim"

@@ -568,8 +568,12 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
         f = scale
         if ip[IP_QD] != 0:
             f = f * qds[b * ip[IP_QD_SB] + n * ip[IP_QD_SN] + si * ip[IP_QD_SS]]
-        for d in range(dq):
+        for d in range(D):
             qv[r, d] = tmp[0, d] * f
+        # the rope part (columns D..D+Dr) is not quantized: dequant_scale_query applies to the int8
+        # query only (SPEC 11: Q = Q_q * scale; Q_rope keeps its float16/bfloat16 values)
+        for d in range(D, dq):
+            qv[r, d] = tmp[0, d] * scale
         if kc_mode != 0:
             for d in range(D):
                 qv[r, d] *= kchan[0, h, d]

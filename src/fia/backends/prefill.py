@@ -108,8 +108,9 @@ class PrefillBackend(Backend):
         seg = blocks[0].segments[0]
         if seg.kind not in (FULL, CAUSAL) or (seg.c0, seg.c1) != (0, g.s2):
             return None
-        q = batch_query(p, 0, g, kd).unsqueeze(0)
+        q = _unit_last(batch_query(p, 0, g, kd)).unsqueeze(0)
         k, v = _keys(p, 0, g, kd)
+        k, v = _unit_last(k), _unit_last(v)
         bias = None
         if p.pse is not None:
             bias = p.pse[:1, :, g.q_lo:g.q_hi, g.kv_lo:g.kv_lo + g.s2]
@@ -298,9 +299,16 @@ def _keys(p: AttentionProblem, b: int, g, kd):
     return batch_keys(p, b, g, kd)
 
 
+def _unit_last(x: torch.Tensor) -> torch.Tensor:
+    """The ATen flash kernel reads the head dim as contiguous whatever the stride says (it silently returns
+    wrong numbers for a strided last axis, e.g. a user's `x[..., ::2]` view): copy such an input."""
+    return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
+
+
 def _same_head_dim(q, k, v):
     """The kernel needs one head size for q, k and v: zero-pad the smaller side (zeros add nothing to Q·Kᵀ;
-    padded V columns are cut from the output)."""
+    padded V columns are cut from the output), and a unit stride on that head dim."""
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     e, dv = q.shape[-1], v.shape[-1]
     if e == dv:
         return q, k, v
