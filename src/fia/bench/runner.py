@@ -328,12 +328,43 @@ def run_case(case: C.Case, ceilings, opts: Options, fia, phase: Callable[[str], 
     return rec
 
 
+class _PlainProgress:
+    """Stand-in for tqdm (an optional extra): iterates, prints result lines, ignores bar updates."""
+
+    def __init__(self, items):
+        self.items = items
+
+    def __iter__(self):
+        return iter(self.items)
+
+    def set_description(self, s):
+        pass
+
+    def set_postfix_str(self, s, refresh=True):
+        pass
+
+    @staticmethod
+    def write(line):
+        print(line, flush=True)
+
+
+def _progress(cases, progress: bool):
+    """A tqdm bar when asked for and installed (not a dependency: a fresh install has none), else plain lines."""
+    if progress:
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            pass
+        else:
+            return tqdm(cases, unit="case", dynamic_ncols=True)
+    return _PlainProgress(cases)
+
+
 def run_all(cases: list[C.Case], ceilings, opts: Options, fia=None, progress: bool = True) -> list[dict]:
     if fia is None:
         import fia  # noqa: F811  (the package under test)
-    from tqdm import tqdm
     records = []
-    bar = tqdm(cases, unit="case", disable=not progress, dynamic_ncols=True)
+    bar = _progress(cases, progress)
     for case in bar:
         bar.set_description(case.name)
         rec = run_case(case, ceilings, opts, fia, phase=lambda s: bar.set_postfix_str(s, refresh=True))
