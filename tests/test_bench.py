@@ -86,7 +86,7 @@ def test_wrong_answer_is_not_timed(monkeypatch):
 
 def test_case_table_and_cli_list(capsys):
     names = [c.name for c in C.full_table()]
-    assert len(names) == len(set(names)) == 42
+    assert len(names) == len(set(names)) == 43
     assert main(["--quick", "--list", "--cases", "prefill"]) == 0
     out = capsys.readouterr().out.split()
     assert out and all("prefill" in n for n in out)

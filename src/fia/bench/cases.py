@@ -36,6 +36,7 @@ class Case:
     block_size: int = 128
     pre: int = 256
     next: int = 256
+    min_repeats: int = 0      # timed calls at least (tiny calls need many for a stable median)
 
     @property
     def G(self) -> int:
@@ -82,18 +83,24 @@ def decode_case(dtype: str, storage: str, S_kv: int, B=8, N=32, KV_N=8, D=128) -
     return Case(f"decode-{dtype}-{tag}-kv{S_kv}", "decode", dtype, B, N, KV_N, D, 1, S_kv, storage=storage)
 
 
+def small_decode_case() -> Case:
+    """Issue 7's small call: the per-call host cost (validation, dispatch, launch) dominates here."""
+    return Case("decode-bf16-small-b1n8-kv128", "decode", "bf16", 1, 8, 8, 128, 1, 128, min_repeats=300)
+
+
 def prefill_case(dtype: str, mask: str, S: int, B=1, N=32, KV_N=8, D=128) -> Case:
     return Case(f"prefill-{dtype}-{mask}-s{S}", "prefill", dtype, B, N, KV_N, D, S, S, mask=mask)
 
 
 def full_table() -> list[Case]:
-    cases = [decode_case(dt, st, s) for s in (1024, 4096, 16384) for dt in DTYPES for st in STORAGES]
+    cases = [small_decode_case()]
+    cases += [decode_case(dt, st, s) for s in (1024, 4096, 16384) for dt in DTYPES for st in STORAGES]
     cases += [prefill_case(dt, m, s) for s in (1024, 2048, 8192) for dt in ("bf16", "fp16") for m in MASKS]
     return cases
 
 
 def quick_table() -> list[Case]:
-    cases = [decode_case(dt, st, 4096) for dt in DTYPES for st in STORAGES]
+    cases = [small_decode_case()] + [decode_case(dt, st, 4096) for dt in DTYPES for st in STORAGES]
     cases += [prefill_case("bf16", m, 1024) for m in MASKS] + [prefill_case("fp16", "causal", 1024)]
     return cases
 

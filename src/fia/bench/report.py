@@ -18,7 +18,7 @@ def _rate(rec: dict, impl: str) -> str:
 
 def _ms(res: dict, width: int) -> str:
     if "median_ms" in res:
-        return f"{res['median_ms']:.2f}"
+        return f"{res['median_ms']:.3f}" if res['median_ms'] < 1 else f"{res['median_ms']:.2f}"
     st = res.get("status", "")
     return st if len(st) <= width else st[: width - 1] + "…"
 

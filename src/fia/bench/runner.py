@@ -12,8 +12,9 @@ Order per case:
    max|out - judge| / max|judge| <= TOL, else "wrong" and nothing of the case is timed. (If the automatic
    choice is the reference itself and its estimated memory does not fit, the call is skipped.);
 4. SDPA the same way, and the same check of SDPA (a failing peer is a bug in peers.py: "wrong");
-5. time FIA, SDPA and — if within budget — the reference: `repeats` calls after those (fewer if a
-   call is slow: at most `time_budget_s` per implementation, at least 1), median ms reported.
+5. time FIA and SDPA interleaved (one call of each per round, alternating which goes first, so that the
+   machine's drift hits both alike), then — if within budget — the reference: `repeats` calls each (fewer if
+   a call is slow: at most `time_budget_s` per implementation, at least 1), median ms reported.
 
 Peak memory: right before the probe call, glibc's freed-but-kept memory is returned to the OS
 (malloc_trim(0)) and Linux VmHWM ("peak resident set") is reset through /proc/self/clear_refs; peak =
@@ -120,19 +121,33 @@ def available_bytes() -> Optional[int]:
 def timeit(fn: Callable, repeats: int, budget_s: float, warm: bool = True) -> dict:
     """Time calls until `repeats` are done or `budget_s` has passed (at least one call), after one
     warm-up call unless `warm` (the calls made before already warmed JIT caches and pages)."""
-    if not warm:
-        fn()
-    ts = []
+    return timeit_interleaved([("fn", fn)], repeats, budget_s, {"fn": warm})["fn"]
+
+
+def timeit_interleaved(fns: list, repeats: int, budget_s: float, warm: dict) -> dict:
+    """Rounds of one call of each (name, fn), the order alternating between rounds, until `repeats` rounds
+    are done or `budget_s` per function has passed (at least one round); one warm-up call first for each
+    function not `warm`. Returns {name: {median_ms, min_ms, repeats}}."""
+    for name, fn in fns:
+        if not warm[name]:
+            fn()
+    ts = {name: [] for name, _ in fns}
     start = time.perf_counter()
-    while len(ts) < repeats and (not ts or time.perf_counter() - start < budget_s):
-        t0 = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t0) * 1e3)
-    n = len(ts)
-    ts.sort()
+    rounds = 0
+    while rounds < repeats and (not rounds or time.perf_counter() - start < budget_s * len(fns)):
+        for name, fn in (fns if rounds % 2 == 0 else fns[::-1]):
+            t0 = time.perf_counter()
+            fn()
+            ts[name].append((time.perf_counter() - t0) * 1e3)
+        rounds += 1
+    return {name: _stats(t) for name, t in ts.items()}
+
+
+def _stats(ts: list) -> dict:
+    ts = sorted(ts)
     mid = len(ts) // 2
     med = ts[mid] if len(ts) % 2 else (ts[mid - 1] + ts[mid]) / 2
-    return {"median_ms": med, "min_ms": ts[0], "repeats": n}
+    return {"median_ms": med, "min_ms": ts[0], "repeats": len(ts)}
 
 
 # --- checking -------------------------------------------------------------------------------------------
@@ -312,12 +327,21 @@ def run_case(case: C.Case, ceilings, opts: Options, fia, phase: Callable[[str], 
         for name in ("sdpa", "reference"):
             if rec[name]["status"] == "ok":
                 rec[name]["status"] = "skipped: FIA output wrong"
+    plan = [(name, fn) for name, fn in plan if rec[name]["status"] == "ok"]
+    warm = {name: rec[name]["warm_call_s"] is not None or rec[name]["first_call_s"] >= 0.5 for name, _ in plan}
+    repeats = max(opts.repeats, case.min_repeats)
+    # FIA and SDPA alternate call by call, so drift of the machine (clock, load, other processes) hits both
+    # alike and their ratio is taken within the same moments; the (slow) reference is timed afterwards
+    pair = [(n, f) for n, f in plan if n in ("fia", "sdpa")]
+    if pair:
+        phase("time " + " / ".join(n for n, _ in pair))
+        for name, res in timeit_interleaved(pair, repeats, opts.time_budget_s, warm).items():
+            rec[name].update(res)
     for name, fn in plan:
-        if rec[name]["status"] != "ok":
-            continue
-        phase(f"time {name}")
-        warm = rec[name]["warm_call_s"] is not None or rec[name]["first_call_s"] >= 0.5
-        rec[name].update(timeit(fn, opts.repeats, opts.time_budget_s, warm))
+        if name not in ("fia", "sdpa"):
+            phase(f"time {name}")
+            rec[name].update(timeit(fn, repeats, opts.time_budget_s, warm[name]))
+    for name, _ in plan:
         r = _rate(rec, rec[name]["median_ms"])
         rec[name].update(rate=r, pct_ceiling=100.0 * r / rec["ceiling"])
     if "median_ms" in rec["fia"] and "median_ms" in rec["sdpa"]:
