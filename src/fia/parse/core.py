@@ -236,14 +236,18 @@ def _same_device(ctx: Ctx, query: torch.Tensor, a: dict) -> None:
     Without this a key (or mask, pse, scale...) on another device reaches a CPU kernel that reads its data
     pointer: a meta tensor has none (segmentation fault), a CUDA one is not host memory."""
     dev = query.device
+    on_cpu = query.is_cpu               # (the common case: `is_cpu` is far cheaper than building a device)
     for name, x in a.items():
-        if name in _HOST_ARGS or name == "query":
+        if x is None or name in _HOST_ARGS or name == "query":       # (most arguments are None: keep it cheap)
             continue
-        items = list(enumerate(x)) if name in ("key", "value") and isinstance(x, (list, tuple)) else [(None, x)]
-        for i, t in items:
-            if isinstance(t, torch.Tensor) and t.device != dev:
-                where = "" if i is None else f" (list element {i})"
-                raise ctx.err(name, f"a tensor on {dev} (the query's device)", f"a tensor on {t.device}{where}")
+        if isinstance(x, torch.Tensor):
+            if (not x.is_cpu) if on_cpu else x.device != dev:
+                raise ctx.err(name, f"a tensor on {dev} (the query's device)", f"a tensor on {x.device}")
+        elif name in ("key", "value") and isinstance(x, (list, tuple)):
+            for i, t in enumerate(x):
+                if isinstance(t, torch.Tensor) and t.device != dev:
+                    raise ctx.err(name, f"a tensor on {dev} (the query's device)",
+                                  f"a tensor on {t.device} (list element {i})")
 
 
 def _check_layout_use(ctx: Ctx, layout, decode: bool, q_s: int, query: torch.Tensor, a: dict) -> None:
