@@ -12,8 +12,7 @@ Order per case:
    max|out - judge| / max|judge| <= TOL, else "wrong" and nothing of the case is timed. (If the automatic
    choice is the reference itself and its estimated memory does not fit, the call is skipped.);
 4. SDPA the same way, and the same check of SDPA (a failing peer is a bug in peers.py: "wrong");
-5. time FIA and SDPA interleaved (one call of each per round, alternating which goes first, so that the
-   machine's drift hits both alike), then — if within budget — the reference: `repeats` calls each (fewer if
+5. time FIA and SDPA in FIA-SDPA-FIA blocks (a linear drift of the machine hits both alike), then — if within budget — the reference: `repeats` calls each (fewer if
    a call is slow: at most `time_budget_s` per implementation, at least 1), median ms reported.
 
 Peak memory: right before the probe call, glibc's freed-but-kept memory is returned to the OS
@@ -125,21 +124,33 @@ def timeit(fn: Callable, repeats: int, budget_s: float, warm: bool = True) -> di
 
 
 def timeit_interleaved(fns: list, repeats: int, budget_s: float, warm: dict) -> dict:
-    """Rounds of one call of each (name, fn), the order alternating between rounds, until `repeats` rounds
-    are done or `budget_s` per function has passed (at least one round); one warm-up call first for each
-    function not `warm`. Returns {name: {median_ms, min_ms, repeats}}."""
+    """A-B-A blocks: half of the first function's calls, all of the second's, then the other half of the
+    first's (`repeats` calls each, fewer when `budget_s` per function has passed, at least one). A linear drift
+    of the machine (clock, load) hits both alike, and unlike call-by-call alternation a call rarely follows
+    the peer's (a multi-GB SDPA call leaves caches, TLBs and the page allocator cold for the next one; the
+    median discards the one call per block that pays it). One warm-up call first for each function not `warm`.
+    Returns {name: {median_ms, min_ms, repeats}}."""
     for name, fn in fns:
         if not warm[name]:
             fn()
     ts = {name: [] for name, _ in fns}
-    start = time.perf_counter()
-    rounds = 0
-    while rounds < repeats and (not rounds or time.perf_counter() - start < budget_s * len(fns)):
-        for name, fn in (fns if rounds % 2 == 0 else fns[::-1]):
+
+    def block(name, fn, n, budget):
+        start = time.perf_counter()
+        for _ in range(n):
+            if ts[name] and time.perf_counter() - start >= budget:
+                break
             t0 = time.perf_counter()
             fn()
             ts[name].append((time.perf_counter() - t0) * 1e3)
-        rounds += 1
+
+    first, rest = fns[0], fns[1:]
+    half = max(1, repeats // 2)
+    block(*first, half, budget_s / 2)
+    for name, fn in rest:
+        block(name, fn, repeats, budget_s)
+    if repeats > half:
+        block(*first, repeats - half, budget_s / 2)
     return {name: _stats(t) for name, t in ts.items()}
 
 
@@ -330,8 +341,8 @@ def run_case(case: C.Case, ceilings, opts: Options, fia, phase: Callable[[str], 
     plan = [(name, fn) for name, fn in plan if rec[name]["status"] == "ok"]
     warm = {name: rec[name]["warm_call_s"] is not None or rec[name]["first_call_s"] >= 0.5 for name, _ in plan}
     repeats = max(opts.repeats, case.min_repeats)
-    # FIA and SDPA alternate call by call, so drift of the machine (clock, load, other processes) hits both
-    # alike and their ratio is taken within the same moments; the (slow) reference is timed afterwards
+    # FIA - SDPA - FIA blocks, so a drift of the machine (clock, load, other processes) hits both alike and
+    # their ratio is taken within the same minutes; the (slow) reference is timed afterwards
     pair = [(n, f) for n, f in plan if n in ("fia", "sdpa")]
     if pair:
         phase("time " + " / ".join(n for n, _ in pair))
