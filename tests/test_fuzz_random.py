@@ -383,21 +383,7 @@ def _draw_main(r: random.Random, c: Case) -> None:
         kind = r.choices(["none", "m3", "m4"], [40, 35, 25])[0]
     else:
         kind = r.choices(["none", "m0", "m1", "m2", "m3", "m4"], [25, 20, 15, 10, 15, 15])[0]
-    if kind == "none":
-        c.mode, c.mask = 0, None
-    elif kind in ("m0", "m1"):
-        c.mode, c.mask = int(kind[1]), "user"
-        c.mask_p = r.choice([0.05, 0.2, 0.4, 0.7, 0.97])
-        c.mask_dtype = r.choice(["bool", "int8", "uint8"])
-        c.mask_shape = r.randint(0, 2)
-        c.mask_pad = (r.choice([0, 0, 1, 3]), r.choice([0, 0, 2, 17]))
-        c.mask_b1 = r.random() < 0.3
-    elif kind == "tmpl":
-        c.mode, c.mask = r.choice([2, 3, 4]), "template"
-        c.mask_shape = r.randint(0, 2)
-    else:
-        c.mode, c.mask = int(kind[1]), "template"
-        c.mask_shape = r.randint(0, 2)
+    _draw_mask(r, c, kind, probs=(0.05, 0.2, 0.4, 0.7, 0.97), padded=True)
     if c.packed and c.mode == 3 and not decode:
         # strict TND sparse 3: per-batch act_q <= act_kv (SPEC 15.11 allows equality)
         c.kv_lens = [max(k, q) for k, q in zip(c.kv_lens, c.q_lens)]
@@ -453,6 +439,24 @@ def _draw_main(r: random.Random, c: Case) -> None:
             c.outq = "tensor"          # per-channel does not combine with left padding
         if c.outq_offset and _band_leaves_empty_rows(c):
             c.outq_offset = False
+
+
+def _draw_mask(r: random.Random, c: Case, kind: str, probs=(0.1, 0.4, 0.9), padded=False) -> None:
+    """The mask of a drawn `kind`: none, m0/m1 (a user mask of density from `probs`, optionally with padded
+    trailing dims), tmpl (a random sparse mode 2-4) or m2/m3/m4 (the template of that mode)."""
+    if kind == "none":
+        c.mode, c.mask = 0, None
+    elif kind in ("m0", "m1"):
+        c.mode, c.mask = int(kind[1]), "user"
+        c.mask_p = r.choice(list(probs))
+        c.mask_dtype = r.choice(["bool", "int8", "uint8"])
+        c.mask_shape = r.randint(0, 2)
+        if padded:
+            c.mask_pad = (r.choice([0, 0, 1, 3]), r.choice([0, 0, 2, 17]))
+        c.mask_b1 = r.random() < 0.3
+    else:
+        c.mode, c.mask = (r.choice([2, 3, 4]) if kind == "tmpl" else int(kind[1])), "template"
+        c.mask_shape = r.randint(0, 2)
 
 
 def _draw_paged(r: random.Random, c: Case) -> None:
@@ -557,17 +561,7 @@ def _draw_mla(r: random.Random, c: Case) -> None:
     if c.storage == "paged":
         _draw_paged(r, c)
     c.scale = 1.0 / math.sqrt(c.D + c.rope)
-    if kind == "none":
-        c.mode, c.mask = 0, None
-    elif kind == "m0":
-        c.mode, c.mask = 0, "user"
-        c.mask_p = r.choice([0.1, 0.4, 0.9])
-        c.mask_dtype = r.choice(["bool", "int8", "uint8"])
-        c.mask_shape = r.randint(0, 2)
-        c.mask_b1 = r.random() < 0.3
-    else:
-        c.mode, c.mask = int(kind[1]), "template"
-        c.mask_shape = r.randint(0, 2)
+    _draw_mask(r, c, kind)
     # with rope, a decode call keeps its sparse mode (SPEC 5: only Q_S = 1 *without rope* ignores it)
     if (c.mode == 0 and c.mask == "user") or c.mode == 4:
         c.pre, c.nxt = _pre_next(r, c, c.mode, c.QS, _kv_ext(c))
@@ -604,17 +598,7 @@ def _draw_full8(r: random.Random, c: Case) -> None:
         c.outq_offset = r.random() < 0.5
         c.outq_shape = r.randint(0, 1)
     kind = r.choices(["none", "m0", "m1", "m2", "m3", "m4"], [30, 20, 15, 10, 15, 10])[0]
-    if kind == "none":
-        c.mode, c.mask = 0, None
-    elif kind in ("m0", "m1"):
-        c.mode, c.mask = int(kind[1]), "user"
-        c.mask_p = r.choice([0.1, 0.4, 0.9])
-        c.mask_dtype = r.choice(["bool", "int8", "uint8"])
-        c.mask_shape = r.randint(0, 2)
-        c.mask_b1 = r.random() < 0.3
-    else:
-        c.mode, c.mask = int(kind[1]), "template"
-        c.mask_shape = r.randint(0, 2)
+    _draw_mask(r, c, kind)
     if (c.mode == 0 and c.mask == "user" and not _left_padded(c)) or c.mode == 4:
         c.pre, c.nxt = _pre_next(r, c, c.mode, c.QS, _kv_ext(c))
     elif c.api == "prompt" and r.random() < 0.5:
