@@ -108,9 +108,8 @@ class PrefillBackend(Backend):
         seg = blocks[0].segments[0]
         if seg.kind not in (FULL, CAUSAL) or (seg.c0, seg.c1) != (0, g.s2):
             return None
-        q = _unit_last(batch_query(p, 0, g, kd)).unsqueeze(0)
-        k, v = _keys(p, 0, g, kd)
-        k, v = _unit_last(k), _unit_last(v)
+        q, k, v = _same_head_dim(batch_query(p, 0, g, kd), *_keys(p, 0, g, kd))   # (D == Dv here: strides only)
+        q = q.unsqueeze(0)
         bias = None
         if p.pse is not None:
             bias = p.pse[:1, :, g.q_lo:g.q_hi, g.kv_lo:g.kv_lo + g.s2]

@@ -12,8 +12,9 @@ Order per case:
    max|out - judge| / max|judge| <= TOL, else "wrong" and nothing of the case is timed. (If the automatic
    choice is the reference itself and its estimated memory does not fit, the call is skipped.);
 4. SDPA the same way, and the same check of SDPA (a failing peer is a bug in peers.py: "wrong");
-5. time FIA and SDPA in FIA-SDPA-FIA blocks (a linear drift of the machine hits both alike), then — if within budget — the reference: `repeats` calls each (fewer if
-   a call is slow: at most `time_budget_s` per implementation, at least 1), median ms reported.
+5. time FIA and SDPA in FIA-SDPA-FIA blocks (a linear drift of the machine hits both alike), then — if
+   within budget — the reference: `repeats` calls each (fewer if a call is slow: at most `time_budget_s`
+   per implementation, at least 1), median ms reported.
 
 Peak memory: right before the probe call, glibc's freed-but-kept memory is returned to the OS
 (malloc_trim(0)) and Linux VmHWM ("peak resident set") is reset through /proc/self/clear_refs; peak =
@@ -34,6 +35,7 @@ import torch
 from . import cases as C
 from . import peers
 
+_PAIRED = ("fia", "sdpa")          # timed against each other in A-B-A blocks (their ratio is the result)
 TOL = {"fp16": 5e-3, "bf16": 2e-2}   # max|a - b| / max|ref|
 
 
@@ -120,10 +122,10 @@ def available_bytes() -> Optional[int]:
 def timeit(fn: Callable, repeats: int, budget_s: float, warm: bool = True) -> dict:
     """Time calls until `repeats` are done or `budget_s` has passed (at least one call), after one
     warm-up call unless `warm` (the calls made before already warmed JIT caches and pages)."""
-    return timeit_interleaved([("fn", fn)], repeats, budget_s, {"fn": warm})["fn"]
+    return timeit_aba([("fn", fn)], repeats, budget_s, {"fn": warm})["fn"]
 
 
-def timeit_interleaved(fns: list, repeats: int, budget_s: float, warm: dict) -> dict:
+def timeit_aba(fns: list, repeats: int, budget_s: float, warm: dict) -> dict:
     """A-B-A blocks: half of the first function's calls, all of the second's, then the other half of the
     first's (`repeats` calls each, fewer when `budget_s` per function has passed, at least one). A linear drift
     of the machine (clock, load) hits both alike, and unlike call-by-call alternation a call rarely follows
@@ -343,13 +345,13 @@ def run_case(case: C.Case, ceilings, opts: Options, fia, phase: Callable[[str], 
     repeats = max(opts.repeats, case.min_repeats)
     # FIA - SDPA - FIA blocks, so a drift of the machine (clock, load, other processes) hits both alike and
     # their ratio is taken within the same minutes; the (slow) reference is timed afterwards
-    pair = [(n, f) for n, f in plan if n in ("fia", "sdpa")]
+    pair = [(n, f) for n, f in plan if n in _PAIRED]
     if pair:
         phase("time " + " / ".join(n for n, _ in pair))
-        for name, res in timeit_interleaved(pair, repeats, opts.time_budget_s, warm).items():
+        for name, res in timeit_aba(pair, repeats, opts.time_budget_s, warm).items():
             rec[name].update(res)
     for name, fn in plan:
-        if name not in ("fia", "sdpa"):
+        if name not in _PAIRED:
             phase(f"time {name}")
             rec[name].update(timeit(fn, repeats, opts.time_budget_s, warm[name]))
     for name, _ in plan:
