@@ -23,6 +23,8 @@ class Backend:
     devices: tuple = ("cpu", "cuda")  # device types it runs on
 
     def not_supported_reasons(self, p: AttentionProblem) -> List[str]:
+        """Why this backend cannot run p (empty: it can). Reads p's metadata only, never tensor data, like
+        `preference`: registry.select memoizes both per AttentionProblem.memo_key."""
         reasons = []
         if p.device.type not in self.devices:
             reasons.append(f"device {p.device.type} not in {self.devices}")

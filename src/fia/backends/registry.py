@@ -33,7 +33,29 @@ def explain(p: AttentionProblem) -> Dict[str, List[str]]:
     return {b.name: b.not_supported_reasons(p) for b in _BACKENDS}
 
 
+_CHOICES: Dict[tuple, Backend] = {}   # (memo_key, forced backend, backends) -> the choice
+_MAX_CHOICES = 256
+
+
 def select(p: AttentionProblem) -> Backend:
+    """The backend that runs p: the forced one (fia.use_backend), else the most preferred able one.
+
+    Backends decide from the problem's metadata only (Backend.not_supported_reasons), so the choice is
+    memoized per parse-memo key (~6 us of issue 7's small call); problems parsed without the memo decide
+    every time."""
+    if p.memo_key is None:
+        return _select(p)
+    key = (p.memo_key, get_backend(), tuple(_BACKENDS))
+    b = _CHOICES.get(key)
+    if b is None:
+        b = _select(p)
+        if len(_CHOICES) >= _MAX_CHOICES:
+            _CHOICES.clear()
+        _CHOICES[key] = b
+    return b
+
+
+def _select(p: AttentionProblem) -> Backend:
     forced = get_backend()
     if forced is not None:
         b = by_name(forced)

@@ -14,6 +14,7 @@ from ..errors import FiaUnsupportedError
 from ..spec.problem import AttentionProblem, BatchGeometry
 from . import lengths as L
 from . import masking as M
+from . import memo
 from . import quant as QT
 from . import sequence as Q
 from . import tensors as T
@@ -24,6 +25,16 @@ from .paged import paged_kv
 
 def parse_fused(a: dict, api: str = "npu_fused_infer_attention_score", aliases: Optional[dict] = None,
                 *, decode_only: bool = False) -> AttentionProblem:
+    """Arguments -> problem. A call whose only tensors are query, key and value is fully parsed once per
+    signature of its metadata; later calls with the same signature re-view their tensors (parse/memo.py)."""
+    sig = memo.signature(a, api, aliases, decode_only)
+    if sig is None:
+        return _parse(a, api, aliases, decode_only)
+    p = memo.recall(sig, a)
+    return p if p is not None else memo.remember(sig, _parse(a, api, aliases, decode_only))
+
+
+def _parse(a: dict, api: str, aliases: Optional[dict], decode_only: bool) -> AttentionProblem:
     ctx = Ctx(api, is_strict(), dict(aliases or {}))
     query = ctx.tensor("query", a["query"], optional=False)
     key = T.kv_arg(ctx, "key", a["key"])

@@ -203,10 +203,20 @@ class AttentionProblem:
     query_dequant: Optional[QueryDequant] = None  # int8 query, query_quant_mode 3 (SPEC 11)
     out_quant: Optional[OutputQuant] = None     # int8 output (SPEC 12)
     sink: Optional[torch.Tensor] = None         # learnable_sink [N] float (SPEC 1.1b)
+    # shared by every problem the parse memo built from the same metadata (parse/memo.py); None: not memoized.
+    # Backends may key metadata-only work on it (everything but the tensors' data is equal)
+    memo_key: Optional[int] = field(default=None, compare=False, repr=False)
 
     @property
     def G(self) -> int:
         return self.N // self.KV_N
+
+    def evolve(self, **fields) -> "AttentionProblem":
+        """A copy with `fields` replaced. No __init__ (dataclasses.replace re-runs it: ~10 us of the small call)."""
+        p = object.__new__(AttentionProblem)
+        p.__dict__.update(self.__dict__)
+        p.__dict__.update(fields)
+        return p
 
     @property
     def packed(self) -> bool:
