@@ -119,3 +119,22 @@ def test_backend_choice_follows_the_forced_backend():
         assert registry.select(p).name == "reference"
     with fia.use_backend(None):
         assert registry.select(core.parse_fused(a)) is auto
+
+
+def run(a: dict, backend: str) -> torch.Tensor:
+    a = dict(a)
+    with fia.use_backend(backend):
+        return fia.npu_fused_infer_attention_score(a.pop("query"), a.pop("key"), a.pop("value"), **a)[0]
+
+
+@pytest.mark.parametrize("layout", ["BNSD", "BSH"])
+def test_decode_plan_reuse_reads_each_calls_data(layout):
+    """The decode backend plans once per signature: every later call still reads its own tensors."""
+    pytest.importorskip("numba")
+    from util import to_layout
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        q, k, v = (to_layout(torch.randn(B, n, s, D, generator=g).to(torch.bfloat16), layout)
+                   for n, s in ((N, 1), (KV_N, S), (KV_N, S)))
+        a = call_args(q, k, v, input_layout=layout, actual_seq_lengths_kv=[S, 5])
+        torch.testing.assert_close(run(a, "decode"), run(a, "reference"), atol=1e-2, rtol=1e-2)

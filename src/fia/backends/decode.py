@@ -20,7 +20,8 @@ Design (issue 7):
 
 Host-side work per call is small on purpose (the small-call target): a handful of int64 arrays
 describe the problem, the query is read in place by the kernel (converted, scaled and dequantized per
-item), and the planning (splits) is a compiled function.
+item), and the planning (splits) is a compiled function. That plan follows from metadata only, so it
+is built once per parse-memo signature (_plan_of); a call then only passes its buffers' addresses.
 
 Not supported (declared in not_supported_reasons, so dispatch falls back): Q_S > 16, full int8
 quantization (prefill only anyway), float64 compute, non-CPU tensors, K/V/rope/prefix whose last
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -84,12 +85,24 @@ _DUMMY_BUF = np.zeros(16, np.uint8)          # stands for absent buffers (never 
 _DUMMY_ADDR = (_DUMMY_BUF.ctypes.data, _DUMMY_BUF.nbytes)
 
 
+def _no_bufs(K) -> np.ndarray:
+    """A fresh bufs [2, BUF_LEN] with every slot on the dummy buffer."""
+    key = ("bufs", K.BUF_LEN)
+    a = _DUMMY.get(key)
+    if a is None:
+        a = _DUMMY[key] = np.array([[_DUMMY_ADDR[0]] * K.BUF_LEN, [_DUMMY_ADDR[1]] * K.BUF_LEN], np.int64)
+    return a.copy()
+
+
 def _addr(t: Optional[torch.Tensor]):
     """(address, bytes) of the storage span of t, starting at t's first element: how query, K, V,
     rope, scales, pse and mask reach the kernels (read in place; the element kind travels separately,
-    see _kind), so one compiled kernel serves every dtype. t stays alive for the call (p holds it)."""
+    see _kind), so one compiled kernel serves every dtype. t stays alive for the call (_Inputs holds it)."""
     if t is None:
         return _DUMMY_ADDR
+    if t.is_contiguous():                         # the common case, without the span loop (~0.4 us)
+        n = t.nbytes
+        return (t.data_ptr(), n) if n else _DUMMY_ADDR
     n = 1
     for s, st in zip(t.shape, t.stride()):
         if s == 0:
@@ -156,23 +169,134 @@ class DecodeBackend(Backend):
 
 
 # ---------------------------------------------------------------------------------------------- the run
+# A call = its inputs (data: addresses and contents, _Inputs) + its plan (everything that follows from
+# metadata: int parameters, geometry, work split, shapes; _Plan). Problems of the same parse-memo key differ
+# only in data, so their plan is built once (issue 7's small call: ~30 us of Python per call).
 def _run(p: AttentionProblem, K) -> BackendResult:
-    B, N, H, G, QS, Dv = p.B, p.N, p.KV_N, p.G, p.Q_S, p.Dv
-    if B == 0 or N == 0 or Dv == 0 or QS == 0 or (p.packed and p.T == 0):
+    if p.B == 0 or p.N == 0 or p.Dv == 0 or p.Q_S == 0 or (p.packed and p.T == 0):
         out = torch.zeros(p.out_shape(), dtype=torch.float32)
         lse = torch.full(p.lse_shape(), float("inf"), dtype=torch.float32)
         return BackendResult(out, lse if p.want_lse else None)
-    R0 = G * QS
+    x = _Inputs(p)
+    return _execute(p, x, _plan_of(p, x, K), K)
+
+
+class _Inputs:
+    """What the kernels read, as they read it: the query with a unit-stride last dim, a byte mask, the
+    tensor / channel / head dequant factors and the sink as float32 arrays, the KV sources (with the
+    paged block table). The plan sees only their metadata."""
+
+    def __init__(self, p: AttentionProblem):
+        self.q, self.qr = _unit_last(p.query), _unit_last(p.query_rope)
+        self.qds = None if p.query_dequant is None else p.query_dequant.scale    # (B, N, Q_S) float32
+        self.pse = p.pse
+        um = p.mask.user_mask
+        if um is not None and um.dtype not in (torch.bool, torch.int8, torch.uint8):
+            um = (um != 0).to(torch.uint8)          # legacy float16 masks: nonzero = masked
+        self.mask = um
+        self.kchan, self.vcs, self.vco = _dequant_factors(p)
+        self.sink = _dummy(np.float32) if p.sink is None else p.sink.to(torch.float32).contiguous().numpy()
+        self.sources = list(_sources(p))
+        self.prefix = None if p.prefix is None else _Source(      # (per-token dequant never comes with a prefix)
+            p, p.prefix.key, p.prefix.value, None, np.zeros((_prefix_groups(p)[1], 1), np.int64), _BIG, None, 0, 1,
+            per_token=False)
+
+    def addresses(self, K) -> np.ndarray:
+        """bufs [2, BUF_LEN] (address, bytes) of the query-side buffers; the KV source fills its own."""
+        bufs = _no_bufs(K)
+        for k, t in ((K.BUF_Q, self.q), (K.BUF_QR, self.qr), (K.BUF_QDS, self.qds), (K.BUF_PSE, self.pse),
+                     (K.BUF_MASK, self.mask)):
+            if t is not None:
+                bufs[0, k], bufs[1, k] = _addr(t)
+        return bufs
+
+
+def _unit_last(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
+def _chan_modes(p: AttentionProblem):
+    """Modes of the key's and the value's dequant factors applied outside the loop (tensor / channel /
+    head: key folded into the query, value in merge): 0 none or per token, 1 scale, 2 scale and offset."""
+    aq = p.antiquant
+    if aq is None:
+        return 0, 0
+    return tuple(0 if s.per_token else 1 + (s.offset is not None) for s in (aq.key, aq.value))
+
+
+def _dequant_factors(p: AttentionProblem):
+    """kchan [modes, KV_N, D] (scale, offset), vcs / vco [KV_N, Dv] float32 (dummies where absent)."""
+    aq, H = p.antiquant, p.KV_N
+    kmode, vmode = _chan_modes(p)
+    kchan, vcs, vco = _dummy(np.float32, 3), _dummy(np.float32, 2), _dummy(np.float32, 2)
+    if kmode:
+        f = [aq.key.scale] + ([aq.key.offset] if kmode == 2 else [])
+        kchan = torch.stack([_chan(t, aq.key.granularity, H, p.D) for t in f]).contiguous().numpy()
+    if vmode:
+        vcs = _chan(aq.value.scale, aq.value.granularity, H, p.Dv).contiguous().numpy()
+        if vmode == 2:
+            vco = _chan(aq.value.offset, aq.value.granularity, H, p.Dv).contiguous().numpy()
+    return kchan, vcs, vco
+
+
+def _prefix_groups(p: AttentionProblem):
+    """(batches per group, groups) of the shared-prefix pass: the prefix is read once per group."""
+    bpg = max(1, min(p.B, PREFIX_ROWS // (p.G * p.Q_S)))
+    return bpg, -(-p.B // bpg)
+
+
+class _Launch(NamedTuple):
+    """One attend_items call: its int parameters, work entries [w0, w1) and item schedule."""
+    ip: np.ndarray
+    work: np.ndarray
+    w0: int
+    w1: int
+    items: np.ndarray       # item order (longest first when threaded)
+    threads: int
+    generic: Optional[np.ndarray]
+
+
+class _Plan(NamedTuple):
+    fp: np.ndarray          # [scale] float64
+    geo: np.ndarray         # [GEO_LEN, B]
+    W: int                  # own-key work entries
+    wrange: np.ndarray      # [2, B] work entries of batch b
+    own: list               # a _Launch (or None: no entries) per KV source of _Inputs.sources
+    prefix: Optional[_Launch]
+    prefix_rows: int        # rows of one prefix work item (batches per group x R0)
+    pwrange: np.ndarray     # [2, groups] prefix work entries of a group
+    mp: np.ndarray          # merge's int parameters
+    obase: np.ndarray       # [3, B] output row bases (see merge)
+    out_shape: tuple        # the output as allocated (output layout) ...
+    out_perm: Optional[tuple]   # ... and the permutation to its canonical view
+    out_dtype: torch.dtype
+    out_bytes: int
+
+
+_PLANS: dict = {}
+_MAX_PLANS = 256
+
+
+def _plan_of(p: AttentionProblem, x: _Inputs, K) -> _Plan:
+    """The plan of p, memoized per parse-memo key, thread count and tuning constants."""
     threads = max(1, torch.get_num_threads())
+    if p.memo_key is None:
+        return _plan(p, x, K, threads)
+    key = (p.memo_key, threads, MIN_SPLIT, ITEMS_PER_THREAD, CHUNK_FLOATS, PARALLEL_MIN_WORK, PREFIX_ROWS)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        plan = _PLANS[key] = _plan(p, x, K, threads)
+    return plan
+
+
+def _plan(p: AttentionProblem, x: _Inputs, K, threads: int) -> _Plan:
+    B, H, G, QS, Dv = p.B, p.KV_N, p.G, p.Q_S, p.Dv
+    R0 = G * QS
     geom = p.geometry
     P = 0 if p.prefix is None else p.prefix.length
-
-    # ---- query: read in place by the kernel (last dim contiguous)
-    q, qr = p.query, p.query_rope
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if qr is not None and qr.stride(-1) != 1:
-        qr = qr.contiguous()
+    q, qr = x.q, x.qr
     D = q.shape[-1]
     Dr = 0 if qr is None else qr.shape[-1]
 
@@ -197,156 +321,148 @@ def _run(p: AttentionProblem, K) -> BackendResult:
     ip[K.IP_R0], ip[K.IP_BPG], ip[K.IP_R], ip[K.IP_B] = R0, 1, R0, B
     ip[K.IP_G], ip[K.IP_QS], ip[K.IP_H] = G, QS, H
     ip[K.IP_D], ip[K.IP_DR], ip[K.IP_DV] = D, Dr, Dv
-    C = _chunk(D + Dr, Dv, R0 if P == 0 else max(R0, min(B, PREFIX_ROWS // R0) * R0))
+    bpg, ng = _prefix_groups(p) if P > 0 else (1, 0)
+    C = _chunk(D + Dr, Dv, max(R0, bpg * R0))
     ip[K.IP_C] = C
-    bufs = [_DUMMY_ADDR] * K.BUF_LEN
     ip[K.IP_Q_KIND], ip[K.IP_Q_SN], ip[K.IP_Q_SS] = _kind(q), q_sn, q_ss
-    bufs[K.BUF_Q] = _addr(q)
     if qr is not None:
         ip[K.IP_QR_KIND], ip[K.IP_QR_SN], ip[K.IP_QR_SS] = _kind(qr), qr_sn, qr_ss
-        bufs[K.BUF_QR] = _addr(qr)
-    if p.query_dequant is not None:               # (B, N, Q_S) float32, indexed by the batch's own row
-        t = p.query_dequant.scale
-        st = t.stride()
+    if x.qds is not None:                         # indexed by the batch's own row
+        st = x.qds.stride()
         ip[K.IP_QD], ip[K.IP_QD_SB], ip[K.IP_QD_SN], ip[K.IP_QD_SS] = 1, st[0], st[1], st[2]
-        bufs[K.BUF_QDS] = _addr(t)
-    fp = np.array([p.scale], np.float64)
-
-    # ---- KV dequant factors of the tensor / channel / head kinds: key folded into q, value in merge
-    aq = p.antiquant
-    kchan = _dummy(np.float32, 3)
-    vcs = vco = _dummy(np.float32, 2)
-    v_chan = 0
-    if aq is not None and not aq.key.per_token:
-        cs = _chan(aq.key.scale, aq.key.granularity, H, D)
-        if aq.key.offset is not None:
-            kchan = torch.stack([cs, _chan(aq.key.offset, aq.key.granularity, H, D)]).contiguous().numpy()
-            ip[K.IP_KC_MODE] = 2
-        else:
-            kchan = cs[None].contiguous().numpy()
-            ip[K.IP_KC_MODE] = 1
-    if aq is not None and not aq.value.per_token:
-        vcs = _chan(aq.value.scale, aq.value.granularity, H, Dv).contiguous().numpy()
-        v_chan = 1
-        if aq.value.offset is not None:
-            vco = _chan(aq.value.offset, aq.value.granularity, H, Dv).contiguous().numpy()
-            v_chan = 2
+    kc_mode, v_chan = _chan_modes(p)
+    ip[K.IP_KC_MODE] = kc_mode
 
     # ---- pse / mask, physical coordinates
     ip[K.IP_PSE_KIND] = -1
-    if p.pse is not None:
-        st = p.pse.stride()
-        ip[K.IP_PSE_KIND] = _kind(p.pse)
-        ip[K.IP_PSE_B] = st[0] if p.pse.shape[0] > 1 else 0
+    if x.pse is not None:
+        st = x.pse.stride()
+        ip[K.IP_PSE_KIND] = _kind(x.pse)
+        ip[K.IP_PSE_B] = st[0] if x.pse.shape[0] > 1 else 0
         ip[K.IP_PSE_N], ip[K.IP_PSE_S], ip[K.IP_PSE_K] = st[1], st[2], st[3]
-        bufs[K.BUF_PSE] = _addr(p.pse)
-    um = p.mask.user_mask
+    um = x.mask
     if um is not None:
-        if um.dtype not in (torch.bool, torch.int8, torch.uint8):
-            um = (um != 0).to(torch.uint8)          # legacy float16 masks: nonzero = masked
         st = um.stride()
         ip[K.IP_MASK], ip[K.IP_M_B], ip[K.IP_M_S], ip[K.IP_M_K] = 1, (st[0] if um.shape[0] > 1 else 0), st[1], st[2]
-        bufs[K.BUF_MASK] = _addr(um)
     ip[K.IP_BAND] = int(has_band)
     want_any = int(p.row_invalid_fix and (um is not None or has_band) and p.sink is None)
     ip[K.IP_WANT_ANY] = want_any
 
     # ---- own keys: work entries (batch, key range) x KV heads
     lens_l = [(g.kv_hi - g.kv_lo) if g.s1 > 0 else 0 for g in geom]
-    lens_total = sum(lens_l)
     lens = np.array(lens_l, np.int64)
     kv_lo = np.array([g.kv_lo for g in geom], np.int64)
     work, wrange = K.split_work(lens, kv_lo, H, threads, C, MIN_SPLIT, ITEMS_PER_THREAD)
     W = work.shape[1]
-    Wa = max(W, 1)
-    po = np.empty((Wa, H, R0, Dv), np.float32)
-    pm = np.empty((Wa, H, R0), np.float32)
-    pl = np.zeros((Wa, H, R0), np.float32)
-    pany = np.zeros((Wa, H, R0), np.uint8)
     ip[K.IP_COL_BASE] = P
-    if W:
-        for src in _sources(p, B):
-            w0, w1 = src.entries(work, wrange)
-            if w1 <= w0:
-                continue
-            wk = work if (w0, w1) == (0, W) else np.ascontiguousarray(work[:, w0:w1])
-            src.fill(ip, bufs, K)
-            keys = lens_total if src.batch is None else int(lens[src.batch])
-            _launch(K.attend_items, wk, H, R0, threads, keys,
-                    (np.array(ip, np.int64), fp, geo, wk, src.tbl, _bufs(bufs), kchan,
-                     src.kt_tbl, src.vt_tbl, po[w0:w1], pm[w0:w1], pl[w0:w1], pany[w0:w1], src.generic()))
+    own = []
+    for src in x.sources:
+        w0, w1 = src.entries(work, wrange)
+        keys = sum(lens_l) if src.batch is None else lens_l[src.batch]
+        wk = work if (w0, w1) == (0, W) else np.ascontiguousarray(work[:, w0:w1])
+        own.append(_launch_plan(src, ip, K, wk, w0, w1, H, R0, threads, keys) if w1 > w0 else None)
 
     # ---- shared prefix: batches grouped, the prefix read once per group (SPEC 7)
-    has_prefix, bpg = 0, 1
-    ppo, ppm, ppl, ppany, pwrange = po[:1], pm[:1], pl[:1], pany[:1], wrange[:, :1]
+    prefix, pwrange, Rp = None, wrange[:, :1], R0
     if P > 0:
-        has_prefix = 1
-        bpg = max(1, min(B, PREFIX_ROWS // R0))
-        ng = -(-B // bpg)
         Rp = bpg * R0
         pwork, pwrange = K.split_work(np.full(ng, P, np.int64), np.zeros(ng, np.int64), H, threads, C,
                                       MIN_SPLIT, ITEMS_PER_THREAD)
-        Wp = pwork.shape[1]
-        ppo = np.empty((Wp, H, Rp, Dv), np.float32)
-        ppm = np.empty((Wp, H, Rp), np.float32)
-        ppl = np.zeros((Wp, H, Rp), np.float32)
-        ppany = np.zeros((Wp, H, Rp), np.uint8)
-        src = _Source(p, p.prefix.key, p.prefix.value, None, np.zeros((ng, 1), np.int64), _BIG, None, 0, 1)
-        ipp, pbufs = list(ip), list(bufs)
-        src.fill(ipp, pbufs, K)
+        ipp = list(ip)
         ipp[K.IP_BPG], ipp[K.IP_R] = bpg, Rp
         ipp[K.IP_COL_BASE], ipp[K.IP_PREFIX_PASS] = 0, 1
-        ipp[K.IP_KT_MODE] = ipp[K.IP_VT_MODE] = 0      # per-token dequant never comes with a prefix
-        _launch(K.attend_items, pwork, H, Rp, threads, ng * P,
-                (np.array(ipp, np.int64), fp, geo, pwork, src.tbl, _bufs(pbufs), kchan,
-                 src.kt_tbl, src.vt_tbl, ppo, ppm, ppl, ppany, src.generic()))
+        prefix = _launch_plan(x.prefix, ipp, K, pwork, 0, pwork.shape[1], H, Rp, threads, ng * P)
 
     # ---- merge: splits + prefix + sink, normalization, value dequant, special rows; the output is
     # written in its final layout and dtype, so the shared epilogue has nothing to copy
-    sink = _dummy(np.float32)
-    if p.sink is not None:
-        sink = p.sink.to(torch.float32).contiguous().numpy()
-    out_t, lse_t, obase, ost, lst = _outputs(p)
-    okind = 0 if out_t.dtype == torch.float32 else _kind(out_t)
-    mp = np.array([B, G, QS, H, has_prefix, int(p.sink is not None), v_chan, want_any, bpg, int(has_band),
+    out_dtype = torch.float32 if p.out_quant is not None else p.out_dtype     # int8 output: the epilogue quantizes
+    shape, perm, obase, ost = _out_layout(p)
+    okind = 0 if out_dtype == torch.float32 else _KINDS[out_dtype]
+    lst = (p.T, 1) if p.packed else (QS, 1)
+    mp = np.array([B, G, QS, H, int(P > 0), int(p.sink is not None), v_chan, want_any, bpg, int(has_band),
                    ost[0], ost[1], lst[0], lst[1], okind], np.int64)
-    obufs = np.array([[out_t.data_ptr(), lse_t.data_ptr()],
-                      [out_t.numel() * out_t.element_size(), lse_t.numel() * 4]], np.int64)
-    K.merge(mp, geo, po, pm, pl, pany, wrange, ppo, ppm, ppl, ppany, pwrange, sink, vcs, vco, obase, obufs)
-    return BackendResult(out_t, lse_t if p.want_lse else None)
+    out_bytes = int(np.prod(shape)) * out_dtype.itemsize
+    return _Plan(np.array([p.scale], np.float64), geo, W, wrange, own, prefix, Rp, pwrange, mp, obase, shape,
+                 perm, out_dtype, out_bytes)
 
 
-def _outputs(p: AttentionProblem):
-    """Output and lse tensors, allocated in the output layout (canonical views returned), with the
-    per-batch row bases / existing rows [3, B] and the (head, row) strides of out and lse."""
+def _launch_plan(src: "_Source", ip: list, K, work: np.ndarray, w0: int, w1: int, H: int, R: int, threads: int,
+                 keys: int) -> _Launch:
+    """A source's launch: the shared int parameters with the source's own (ip is not modified)."""
+    ip = list(ip)
+    src.ints(ip, K)
+    items, t = _schedule(work, H, R, threads, keys)
+    return _Launch(np.array(ip, np.int64), work, w0, w1, items, t, src.generic())
+
+
+def _out_layout(p: AttentionProblem):
+    """The output as allocated (in the output layout) and its canonical view: (shape, permutation to the
+    canonical view or None, per-batch row bases / existing rows [3, B], (head, row) strides)."""
     B, N, QS, Dv, geom = p.B, p.N, p.Q_S, p.Dv, p.geometry
-    dt = torch.float32 if p.out_quant is not None else p.out_dtype      # int8 output: the epilogue quantizes
     lay = p.layout.out
     if p.packed:
-        T = p.T
-        if lay == "TND":
-            out = torch.empty((T, N, Dv), dtype=dt).permute(1, 0, 2)        # canonical [N, T, Dv]
-        else:
-            out = torch.empty((N, T, Dv), dtype=dt)
-        lse = torch.empty((N, T), dtype=torch.float32)
-        st = out.stride()
+        shape, perm = ((p.T, N, Dv), (1, 0, 2)) if lay == "TND" else ((N, p.T, Dv), None)
+    elif lay in ("BSH", "BSND"):
+        shape, perm = (B, QS, N, Dv), (0, 2, 1, 3)
+    elif lay == "NBSD":
+        shape, perm = (N, B, QS, Dv), (1, 0, 2, 3)
+    else:
+        shape, perm = (B, N, QS, Dv), None
+    st = _contiguous_strides(shape)
+    if perm is not None:
+        st = tuple(st[i] for i in perm)
+    if p.packed:
         obase = np.array([[g.q_offset * st[1] for g in geom], [g.q_offset for g in geom],
                           [g.q_rows for g in geom]], np.int64)
-        return out, lse, obase, (st[0], st[1]), (T, 1)
-    if lay in ("BSH", "BSND"):
-        out = torch.empty((B, QS, N, Dv), dtype=dt).permute(0, 2, 1, 3)
-    elif lay == "NBSD":
-        out = torch.empty((N, B, QS, Dv), dtype=dt).permute(1, 0, 2, 3)
-    else:
-        out = torch.empty((B, N, QS, Dv), dtype=dt)
-    lse = torch.empty((B, N, QS), dtype=torch.float32)
-    st = out.stride()
+        return shape, perm, obase, (st[0], st[1])
     obase = np.array([[b * st[0] for b in range(B)], [b * N * QS for b in range(B)], [QS] * B], np.int64)
-    return out, lse, obase, (st[1], st[2]), (QS, 1)
+    return shape, perm, obase, (st[1], st[2])
 
-def _bufs(bufs: list) -> np.ndarray:
-    """[(address, bytes)] -> int64 [2, BUF_LEN]."""
-    return np.array([[a for a, _ in bufs], [n for _, n in bufs]], np.int64)
+
+def _contiguous_strides(shape: tuple) -> tuple:
+    st, n = [], 1
+    for s in reversed(shape):
+        st.append(n)
+        n *= s
+    return tuple(reversed(st))
+
+
+def _execute(p: AttentionProblem, x: _Inputs, plan: _Plan, K) -> BackendResult:
+    """Allocate the partials and outputs, hand every buffer's address to the kernels, run them."""
+    H, R0, Dv = p.KV_N, p.G * p.Q_S, p.Dv
+    po, pm, pl, pany = _partials(plan.W, H, R0, Dv)
+    qbufs = x.addresses(K)
+    for src, launch in zip(x.sources, plan.own):
+        if launch is not None:
+            _attend(K, plan, launch, src, qbufs, x.kchan, po, pm, pl, pany)
+    ppo, ppm, ppl, ppany = po[:1], pm[:1], pl[:1], pany[:1]
+    if plan.prefix is not None:
+        ppo, ppm, ppl, ppany = _partials(plan.prefix.work.shape[1], H, plan.prefix_rows, Dv)
+        _attend(K, plan, plan.prefix, x.prefix, qbufs, x.kchan, ppo, ppm, ppl, ppany)
+    out = torch.empty(plan.out_shape, dtype=plan.out_dtype)
+    if plan.out_perm is not None:
+        out = out.permute(plan.out_perm)
+    lse = torch.empty(p.lse_shape(), dtype=torch.float32)
+    obufs = np.array([[out.data_ptr(), lse.data_ptr()], [plan.out_bytes, lse.numel() * 4]], np.int64)
+    K.merge(plan.mp, plan.geo, po, pm, pl, pany, plan.wrange, ppo, ppm, ppl, ppany, plan.pwrange, x.sink, x.vcs,
+            x.vco, plan.obase, obufs)
+    return BackendResult(out, lse if p.want_lse else None)
+
+
+def _partials(W: int, H: int, R: int, Dv: int):
+    """Unnormalized partial results of W work entries: acc, running max, sum, 'saw a key' flags."""
+    W = max(W, 1)
+    return (np.empty((W, H, R, Dv), np.float32), np.empty((W, H, R), np.float32), np.zeros((W, H, R), np.float32),
+            np.zeros((W, H, R), np.uint8))
+
+
+def _attend(K, plan: _Plan, launch: _Launch, src: "_Source", qbufs: np.ndarray, kchan, po, pm, pl, pany) -> None:
+    bufs = qbufs.copy()
+    src.addresses(bufs, K)
+    w0, w1 = launch.w0, launch.w1
+    _launch(K.attend_items, launch.items, launch.threads,
+            (launch.ip, plan.fp, plan.geo, launch.work, src.tbl, bufs, kchan, src.ktok.tbl, src.vtok.tbl,
+             po[w0:w1], pm[w0:w1], pl[w0:w1], pany[w0:w1], launch.generic))
 
 
 def _chan(t: torch.Tensor, gran: str, H: int, D: int) -> torch.Tensor:
@@ -396,82 +512,95 @@ def _pool(n: int):
         return _POOL
 
 
-def _launch(fn, work: np.ndarray, H: int, R: int, threads: int, keys_total: int, args: tuple) -> None:
-    """Run fn(items, counter, *args) over every item (w * H + h) on up to `threads` threads.
-
-    Items are queued longest first and the threads take them one at a time through a shared atomic
-    counter (dynamic scheduling: on a shared machine a thread may lose its core for a while, e.g. to
-    torch's OpenMP workers spinning after the previous op). fn releases the GIL; the calling thread
-    works too. Small work (keys_total x H x R < PARALLEL_MIN_WORK) stays on the calling thread."""
+def _schedule(work: np.ndarray, H: int, R: int, threads: int, keys_total: int):
+    """(items w * H + h in the order the threads take them, threads to use). Threaded: longest first;
+    small work (keys_total x H x R < PARALLEL_MIN_WORK) stays on the calling thread."""
     n = work.shape[1] * H
-    if n == 0:
-        return
-    counter = np.zeros(1, np.int64)
     t = min(threads, n)
     if t <= 1 or keys_total * H * R < PARALLEL_MIN_WORK:
-        fn(np.arange(n, dtype=np.int64), counter, *args)
-        return
+        return np.arange(n, dtype=np.int64), 1
     keys = np.repeat(work[2] - work[1], H)                                    # [n] cost of each item
-    order = np.argsort(-keys, kind="stable").astype(np.int64)
+    return np.argsort(-keys, kind="stable").astype(np.int64), t
+
+
+def _launch(fn, items: np.ndarray, t: int, args: tuple) -> None:
+    """Run fn(items, counter, *args) on t threads (the calling thread included).
+
+    The threads take the items one at a time through a shared atomic counter (dynamic scheduling: on a
+    shared machine a thread may lose its core for a while, e.g. to torch's OpenMP workers spinning after
+    the previous op). fn releases the GIL."""
+    counter = np.zeros(1, np.int64)
+    if t <= 1:
+        fn(items, counter, *args)
+        return
     pool = _pool(t - 1)
-    futs = [pool.submit(fn, order, counter, *args) for _ in range(1, t)]
+    futs = [pool.submit(fn, items, counter, *args) for _ in range(1, t)]
     try:
-        fn(order, counter, *args)
+        fn(items, counter, *args)
     finally:
         for f in futs:
             f.result()
 
 
 # ---------------------------------------------------------------------------------------------- sources
-def _tok_params(spec, B: int, block_size: int, paged_tbl):
-    """(mode, tbl, bs, blk, h, s, scale, offset) of a per-token dequant spec (mode 0: none)."""
-    if spec is None or not spec.per_token:
-        return 0, _dummy(np.int64, 2), _BIG, 0, 0, 0, None, None
-    sc, off = spec.scale, spec.offset
-    if off is not None and off.stride() != sc.stride():
-        sc, off = sc.contiguous(), off.contiguous()
-    st = sc.stride()
-    g = spec.granularity
-    if g in ("token", "token_head"):              # [Bs, S] / [Bs, KV_N, S]: logical position p
-        bsel = np.arange(B, dtype=np.int64) if sc.shape[0] > 1 else np.zeros(B, np.int64)
-        tbl, bs = bsel[:, None].copy(), _BIG
-    else:                                         # [NB, bs] / [NB, KV_N, bs]: by paged block
-        tbl, bs = paged_tbl, block_size
-    hs = st[1] if g in ("token_head", "block_token_head") else 0
-    mode = 2 if off is not None else 1
-    return mode, tbl, bs, st[0], hs, st[-1], sc, off
+class _Tokens:
+    """Per-token dequant factors of the key or the value (SPEC 10): scale (and offset) read in place, and
+    the table mapping a query group's position to their row (its batch, or the paged block). mode 0: none."""
+    mode, scale, offset, bs, gran = 0, None, None, _BIG, None
+
+    def __init__(self, spec=None, B: int = 0, block_size: int = 0, paged_tbl=None):
+        self.tbl = _dummy(np.int64, 2)
+        if spec is None or not spec.per_token:
+            return
+        sc, off = spec.scale, spec.offset
+        if off is not None and off.stride() != sc.stride():
+            sc, off = sc.contiguous(), off.contiguous()
+        self.scale, self.offset, self.gran = sc, off, spec.granularity
+        self.mode = 2 if off is not None else 1
+        if self.gran in ("token", "token_head"):          # [Bs, S] / [Bs, KV_N, S]: logical position p
+            bsel = np.arange(B, dtype=np.int64) if sc.shape[0] > 1 else np.zeros(B, np.int64)
+            self.tbl = bsel[:, None].copy()
+        else:                                             # [NB, bs] / [NB, KV_N, bs]: by paged block
+            self.tbl, self.bs = paged_tbl, block_size
+
+    def ints(self) -> tuple:
+        """(mode, block size, block / head / position strides) for ip."""
+        if not self.mode:
+            return 0, _BIG, 0, 0, 0
+        st = self.scale.stride()
+        return self.mode, self.bs, st[0], (st[1] if self.gran in ("token_head", "block_token_head") else 0), st[-1]
+
+
+_NO_TOKENS = _Tokens()
 
 
 class _Source:
-    """One KV storage the kernel reads in place: buffers, block table, strides, per-token scales.
+    """One KV storage the kernel reads in place: key, value, rope, block table, per-token factors.
 
-    Key position p of query group i is element tbl[i, p // bs] * s_blk + h * s_h + (p % bs) * s_s."""
+    Key position p of query group i is element tbl[i, p // bs] * s_blk + h * s_h + (p % bs) * s_s.
+    `ints` writes its metadata into a plan's ip, `addresses` its buffers into a call's bufs."""
 
     def __init__(self, p: AttentionProblem, key, value, rope, tbl, bs, blk_axis: Optional[int], h_axis: int,
-                 s_axis: int, batch: Optional[int] = None):
+                 s_axis: int, batch: Optional[int] = None, per_token: bool = True):
         self.tbl, self.bs, self.batch = tbl, bs, batch
         self.key, self.value, self.rope = key, value, rope
-        self.kkind, self.vkind = _kind(key), _kind(value)
-
-        def strides(t):
-            st = t.stride()
-            return (st[blk_axis] if blk_axis is not None else 0, st[h_axis], st[s_axis])
-        self.kst, self.vst = strides(key), strides(value)
-        if rope is not None:
-            self.rkind, self.rst = _kind(rope), strides(rope)
+        self.axes = (blk_axis, h_axis, s_axis)
+        aq = p.antiquant if per_token else None
+        if aq is None:
+            self.ktok = self.vtok = _NO_TOKENS
         else:
-            self.rkind, self.rst = 0, (0, 0, 0)
-        aq = p.antiquant
-        ptbl = tbl if p.kv.kind == "paged" else None
-        (self.kt_mode, self.kt_tbl, self.kt_bs, self.kt_blk, self.kt_h, self.kt_s, self.kts,
-         self.kto) = _tok_params(aq.key if aq else None, p.B, bs, ptbl)
-        (self.vt_mode, self.vt_tbl, self.vt_bs, self.vt_blk, self.vt_h, self.vt_s, self.vts,
-         self.vto) = _tok_params(aq.value if aq else None, p.B, bs, ptbl)
+            ptbl = tbl if p.kv.kind == "paged" else None
+            self.ktok, self.vtok = _Tokens(aq.key, p.B, bs, ptbl), _Tokens(aq.value, p.B, bs, ptbl)
+
+    def _strides(self, t) -> tuple:
+        blk, h, s = self.axes
+        st = t.stride()
+        return (st[blk] if blk is not None else 0, st[h], st[s])
 
     def generic(self):
         """None when the fused kernels cover this source (bf16 / fp16 / int8 K and V, no rope): the
         kernel build without the generic paths (see attend_items); else a marker array."""
-        fused = (_FUSED_KIND.get(self.kkind) and _FUSED_KIND.get(self.vkind) and self.rope is None)
+        fused = (_FUSED_KIND.get(_kind(self.key)) and _FUSED_KIND.get(_kind(self.value)) and self.rope is None)
         return None if fused else _dummy(np.uint8)
 
     def entries(self, work, wrange):
@@ -480,33 +609,28 @@ class _Source:
             return 0, work.shape[1]
         return int(wrange[0, self.batch]), int(wrange[1, self.batch])
 
-    def fill(self, ip: list, bufs: list, K) -> None:
-        bufs[K.BUF_K] = _addr(self.key)
-        bufs[K.BUF_V] = _addr(self.value)
-        if self.rope is not None:
-            bufs[K.BUF_R] = _addr(self.rope)
-        if self.kt_mode:
-            bufs[K.BUF_KTS], bufs[K.BUF_KTO] = _addr(self.kts), _addr(self.kto)
-        if self.vt_mode:
-            bufs[K.BUF_VTS], bufs[K.BUF_VTO] = _addr(self.vts), _addr(self.vto)
+    def ints(self, ip: list, K) -> None:
         ip[K.IP_BS] = self.bs
-        ip[K.IP_K_BLK], ip[K.IP_K_H], ip[K.IP_K_S] = self.kst
-        ip[K.IP_K_KIND] = self.kkind
-        ip[K.IP_R_BLK], ip[K.IP_R_H], ip[K.IP_R_S] = self.rst
-        ip[K.IP_R_KIND] = self.rkind
-        ip[K.IP_V_BLK], ip[K.IP_V_H], ip[K.IP_V_S] = self.vst
-        ip[K.IP_V_KIND] = self.vkind
-        ip[K.IP_KT_MODE], ip[K.IP_KT_BS], ip[K.IP_KT_BLK], ip[K.IP_KT_H], ip[K.IP_KT_S] = (
-            self.kt_mode, self.kt_bs, self.kt_blk, self.kt_h, self.kt_s)
-        ip[K.IP_VT_MODE], ip[K.IP_VT_BS], ip[K.IP_VT_BLK], ip[K.IP_VT_H], ip[K.IP_VT_S] = (
-            self.vt_mode, self.vt_bs, self.vt_blk, self.vt_h, self.vt_s)
+        ip[K.IP_K_BLK], ip[K.IP_K_H], ip[K.IP_K_S] = self._strides(self.key)
+        ip[K.IP_K_KIND] = _kind(self.key)
+        ip[K.IP_R_BLK], ip[K.IP_R_H], ip[K.IP_R_S] = self._strides(self.rope) if self.rope is not None else (0, 0, 0)
+        ip[K.IP_R_KIND] = _kind(self.rope) if self.rope is not None else 0
+        ip[K.IP_V_BLK], ip[K.IP_V_H], ip[K.IP_V_S] = self._strides(self.value)
+        ip[K.IP_V_KIND] = _kind(self.value)
+        ip[K.IP_KT_MODE], ip[K.IP_KT_BS], ip[K.IP_KT_BLK], ip[K.IP_KT_H], ip[K.IP_KT_S] = self.ktok.ints()
+        ip[K.IP_VT_MODE], ip[K.IP_VT_BS], ip[K.IP_VT_BLK], ip[K.IP_VT_H], ip[K.IP_VT_S] = self.vtok.ints()
+
+    def addresses(self, bufs: np.ndarray, K) -> None:
+        for k, t in ((K.BUF_K, self.key), (K.BUF_V, self.value), (K.BUF_R, self.rope), (K.BUF_KTS, self.ktok.scale),
+                     (K.BUF_KTO, self.ktok.offset), (K.BUF_VTS, self.vtok.scale), (K.BUF_VTO, self.vtok.offset)):
+            if t is not None:
+                bufs[0, k], bufs[1, k] = _addr(t)
 
 
-def _sources(p: AttentionProblem, B: int):
-    kv = p.kv
+def _sources(p: AttentionProblem):
+    B, kv = p.B, p.kv
     if kv.kind == "dense":                          # [B, H, S, D]
-        tbl = np.arange(B, dtype=np.int64)[:, None].copy()
-        yield _Source(p, kv.key, kv.value, kv.key_rope, tbl, _BIG, 0, 1, 2)
+        yield _Source(p, kv.key, kv.value, kv.key_rope, np.arange(B, dtype=np.int64).reshape(B, 1), _BIG, 0, 1, 2)
     elif kv.kind == "packed":                       # [H, T, D]; batch b starts at kv_offset
         tbl = np.array([g.kv_offset for g in p.geometry], np.int64).reshape(B, 1)
         yield _Source(p, kv.key, kv.value, kv.key_rope, tbl, _BIG, 1, 0, 1)
