@@ -27,6 +27,26 @@ OUT_TOL = {F16: 2e-3, BF16: 1.6e-2, F32: 1e-4}        # one rounding of the outp
 LSE_TOL = 2e-4
 
 
+def _dp_variants():
+    """ip[IP_DP] values the suite runs under: the bf16 dot-product kernels (decode_simd) where this CPU has
+    them, and the float32 fused kernels (the path of every other CPU) in any case."""
+    try:
+        from fia.backends import decode_kernels as K
+    except ImportError:                                   # numba missing: the backend is not registered
+        return [None]
+    return sorted({K.DP_FLAGS, 0}, reverse=True)
+
+
+@pytest.fixture(autouse=True, params=_dp_variants(), ids=lambda v: f"dp{v}")
+def _dp(request, monkeypatch):
+    if request.param is not None:
+        from fia.backends import decode_kernels as K
+        monkeypatch.setattr(K, "DP_FLAGS", request.param)
+        if hasattr(DEC, "_PLANS"):                          # plans carry the flags: start from none
+            monkeypatch.setattr(DEC, "_PLANS", {})
+    return request.param
+
+
 @pytest.fixture(autouse=True)
 def _once(request):
     names = [b.name for b in registry.backends()]

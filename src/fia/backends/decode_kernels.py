@@ -29,6 +29,11 @@ from numba import carray, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from .decode_simd import HAS_DP, pv_dp, qk_dp
+
+# ip[IP_DP] of a call: the dp kernels where the CPU has AVX512-BF16 (decode_simd.HAS_DP)
+DP_FLAGS = 7 if HAS_DP else 0
+
 # fastmath without nnan / ninf: NaN and Inf in the inputs must propagate (SPEC 14)
 FM = {"reassoc", "contract", "nsz", "arcp"}
 MASK_FILL = np.float32(-1e12)
@@ -48,7 +53,8 @@ KIND_F32, KIND_BF16, KIND_FP16, KIND_I8, KIND_I4 = 0, 1, 2, 3, 4
 (IP_PSE_KIND, IP_PSE_B, IP_PSE_N, IP_PSE_S, IP_PSE_K, IP_MASK, IP_M_B, IP_M_S, IP_M_K, IP_BAND, IP_COL_BASE,
  IP_WANT_ANY, IP_PREFIX_PASS) = (
     45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57)
-IP_LEN = 58
+IP_DP = 58               # bit 0: bf16 QK through decode_simd.qk_dp, bit 1: bf16 PV through pv_dp, bit 2: prefetch
+IP_LEN = 59
 # rows of the per-batch geometry array geo [GEO_LEN, B]
 GEO_QLO, GEO_QHI, GEO_S2, GEO_PRE, GEO_NEXT, GEO_JOFS, GEO_QBASE, GEO_QRBASE = range(8)
 GEO_LEN = 8
@@ -84,13 +90,13 @@ def _fetch_add(typingctx, arr, idx, val):
     return sig, codegen
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def buf_bytes(bufs, k):
     """Buffer k as a uint8 array (no copy)."""
     return carray(_addr_ptr(bufs[0, k]), (bufs[1, k],), np.uint8)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def buf_f32(bufs, k):
     """Buffer k as a float32 array (no copy)."""
     return carray(_addr_ptr(bufs[0, k]), (bufs[1, k] // 4,), np.float32)
@@ -115,7 +121,7 @@ def _f32_as_u32(typingctx, x):
     return sig, codegen
 
 
-@njit(fastmath=FM, cache=True)
+@njit(fastmath=FM, cache=True, inline="always")
 def bf16_to_f32(h):
     return _u32_as_f32(np.uint32(np.uint32(h) << np.uint32(16)))
 
@@ -145,7 +151,7 @@ def _has_f16c() -> bool:
 HAVE_F16C = _has_f16c()
 
 
-@njit(fastmath=FM, cache=True)
+@njit(fastmath=FM, cache=True, inline="always")
 def _fp16_bits_to_f32(h):
     """IEEE half bits -> float32 by integer arithmetic (CPUs without F16C), exact for normals,
     subnormals, zeros, inf and nan."""
@@ -159,7 +165,7 @@ def _fp16_bits_to_f32(h):
     return _u32_as_f32(np.uint32(_f32_as_u32(f) | ((x & np.uint32(0x8000)) << np.uint32(16))))
 
 
-@njit(fastmath=FM, cache=True)
+@njit(fastmath=FM, cache=True, inline="always")
 def _fp16_hw_to_f32(h):
     return _half_bits_to_f32(np.uint16(h))
 
@@ -177,7 +183,7 @@ def _f32_to_half_bits(typingctx, x):
     return sig, codegen
 
 
-@njit(fastmath=FM, cache=True)
+@njit(fastmath=FM, cache=True, inline="always")
 def f32_to_bf16_bits(x):
     """float32 -> bfloat16 bits, round to nearest even; NaN stays a (quiet) NaN."""
     u = _f32_as_u32(x)
@@ -187,7 +193,7 @@ def f32_to_bf16_bits(x):
     return np.uint16(u >> np.uint32(16))
 
 
-@njit(fastmath=FM, cache=True)
+@njit(fastmath=FM, cache=True, inline="always")
 def fexp(x):
     """exp(x) in float32 for x <= 0 (vectorizable; rel. error ~1e-7). NaN propagates; x < -87 -> 0."""
     xc = np.float32(-87.0) if x < np.float32(-87.0) else x
@@ -209,7 +215,7 @@ def fexp(x):
 # ---------------------------------------------------------------------------------------------- row loads
 # Hot loops index 2-D arrays directly (a[r, d]) and never take row views: a view costs an atomic
 # reference count update, and those serialize threads that share an array.
-@njit(fastmath=FM, cache=True)
+@njit(fastmath=FM, cache=True, inline="always")
 def views(buf):
     """The typed views of a byte buffer: (int8, uint16, int32, float32), each cut to whole elements.
     One kernel specialization serves every dtype: the dtype is a runtime `kind`."""
@@ -479,7 +485,69 @@ def pv_fused(p, buf, kind, offs, n, acc, R, Dv):
         r += 1
 
 
+# ---------------------------------------------------------------------------------------------- softmax
+@njit(fastmath=FM | {"nnan"}, cache=True)
+def row_max(s, r, n_, mx):
+    """max(mx, s[r, :n_]). `nnan` lets LLVM vectorize the reduction; a NaN score may then be skipped or
+    returned, and either way exp(NaN - max) makes that row's output NaN, as it must be (SPEC 14)."""
+    for c in range(n_):
+        x = s[r, c]
+        mx = x if x > mx else mx
+    return mx
+
+
+@njit(fastmath=FM, cache=True)
+def softmax_chunk(s, R, n, m, ll, vx, acc, Dv, p2, to_bf16):
+    """Online softmax of the chunk's scores s[:R, :n] (replaced by exp(s - running max)); the running max
+    m, sum ll, the value extras vx and the accumulators acc [R, Dv] are rescaled. to_bf16: also write the
+    probabilities as bf16 bits to p2 (rounded to nearest even: what the hardware's cube unit multiplies,
+    docs/DECISIONS.md). Unsigned indices: signed ones stop LLVM from vectorizing the loops."""
+    n_ = np.uint64(n)
+    for r in range(R):
+        mo = m[r]
+        mx = row_max(s, r, n_, mo)
+        alpha = fexp(mo - mx)
+        ls = np.float32(0.0)
+        if to_bf16:
+            for c in range(n_):
+                e = fexp(s[r, c] - mx)
+                s[r, c] = e
+                p2[r, c] = f32_to_bf16_bits(e)
+                ls += e
+        else:
+            for c in range(n_):
+                e = fexp(s[r, c] - mx)
+                s[r, c] = e
+                ls += e
+        ll[r] = ll[r] * alpha + ls
+        m[r] = mx
+        if alpha != np.float32(1.0):
+            vx[r] *= alpha
+            for d in range(np.uint64(Dv)):
+                acc[r, d] *= alpha
+
+
 # ---------------------------------------------------------------------------------------------- the pass
+@njit(fastmath=FM, cache=True)
+def row_offsets(tbl, i, c0, n, bs, s_blk, base, s_s, dst):
+    """dst[c] = element offset of key position c0 + c (c < n) of query group i: block tbl[i, p // bs]
+    (the paged block, or the batch for unpaged storage with bs = "infinite") times s_blk + base + the
+    slot (p % bs) times s_s; one block segment at a time (affine inside a block)."""
+    bi = c0 // bs
+    sl = c0 - bi * bs
+    c = 0
+    while c < n:
+        seg = min(n - c, bs - sl)
+        o = tbl[i, bi] * s_blk + base + sl * s_s
+        for j in range(seg):
+            dst[c + j] = o + j * s_s
+        c += seg
+        sl += seg
+        if sl == bs:
+            sl = 0
+            bi += 1
+
+
 @njit(fastmath=FM, cache=True)
 def token_scales(tbl, i, h, c0, n, tb, s_blk, s_h, s_s, mode, sc, off, dst_s, dst_o):
     """Per-token dequant factors of the chunk's keys [c0, c0 + n) of query group i, KV head h: scale into
@@ -501,7 +569,8 @@ def token_scales(tbl, i, h, c0, n, tb, s_blk, s_h, s_s, mode, sc, off, dst_s, ds
 @njit(fastmath=FM, cache=True)
 def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbuf,
           kt_tbl, kts, kto, vt_tbl, vts, vto, pse, mask, po, pm, pl, pany,
-          qv, qa, qs, rb, rn, rs, tmp, offs, kf, vf, s, vx, koff, voff, roff, tsk, tok, tsv, tov, generic):
+          qv, qa, qs, rb, rn, rs, tmp, offs, kf, vf, s, vx, koff, voff, roff, tsk, tok, tsv, tov, q2, p2, knext,
+          generic):
     R0 = ip[IP_R0]
     BPG = ip[IP_BPG]
     R = ip[IP_R]
@@ -542,6 +611,11 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
     kc_mode = ip[IP_KC_MODE]
     q8, q16, q32, qfl = views(qbuf)
     qr8, qr16, qr32, qrfl = views(qrbuf)
+    # bf16 dot-product kernels (decode_simd): raw bf16 query bits in q2, the scale applied to the scores
+    dp_qk = ((ip[IP_DP] & 1) != 0 and ip[IP_K_KIND] == KIND_BF16 and ip[IP_Q_KIND] == KIND_BF16 and Dr == 0
+             and kc_mode == 0 and ip[IP_QD] == 0 and ip[IP_KT_MODE] == 0 and D % 32 == 0)
+    pf = (ip[IP_DP] & 4) != 0           # prefetch the other stream inside the dp kernels
+    dp_pv = (ip[IP_DP] & 2) != 0 and ip[IP_V_KIND] == KIND_BF16 and ip[IP_VT_MODE] == 0 and Dv % 64 == 0
     for r in range(R):
         bl = r // R0
         b = i * BPG + bl
@@ -559,8 +633,15 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
         if si < geo[GEO_QLO, b] or si >= geo[GEO_QHI, b]:
             for d in range(dq):
                 qv[r, d] = 0.0
+            if dp_qk:
+                for d in range(D):
+                    q2[r, d] = 0
             continue
         offs[0] = geo[GEO_QBASE, b] + n * ip[IP_Q_SN] + si * ip[IP_Q_SS]
+        if dp_qk:
+            qo = np.uint64(offs[0])
+            for d in range(np.uint64(D)):
+                q2[r, d] = q16[qo + d]
         load_rows(q8, q16, q32, qfl, offs, 1, ip[IP_Q_KIND], tmp, 0, D)
         if Dr > 0:
             offs[0] = geo[GEO_QRBASE, b] + n * ip[IP_QR_SN] + si * ip[IP_QR_SS]
@@ -612,27 +693,11 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
     for c0 in range(lo, hi, C):
         n = min(C, hi - c0)
         n_ = np.uint64(n)
-        # ---- element offsets of the chunk's keys, one block segment at a time (affine inside a block)
-        bi = c0 // bs
-        sl = c0 - bi * bs
-        c = 0
-        while c < n:
-            seg = min(n - c, bs - sl)
-            blk = tbl[i, bi]
-            kb = blk * k_blk + h * k_h + sl * k_s
-            vb = blk * v_blk + h * v_h + sl * v_s
-            for j in range(seg):
-                koff[c + j] = kb + j * k_s
-                voff[c + j] = vb + j * v_s
-            if Dr > 0:
-                rbase = blk * r_blk + h * r_h + sl * r_s
-                for j in range(seg):
-                    roff[c + j] = rbase + j * r_s
-            c += seg
-            sl += seg
-            if sl == bs:
-                sl = 0
-                bi += 1
+        # ---- element offsets of the chunk's keys
+        row_offsets(tbl, i, c0, n, bs, k_blk, h * k_h, k_s, koff)
+        row_offsets(tbl, i, c0, n, bs, v_blk, h * v_h, v_s, voff)
+        if Dr > 0:
+            row_offsets(tbl, i, c0, n, bs, r_blk, h * r_h, r_s, roff)
         if kt_mode != 0:
             token_scales(kt_tbl, i, h, c0, n, ip[IP_KT_BS], ip[IP_KT_BLK], ip[IP_KT_H], ip[IP_KT_S], kt_mode,
                          kts, kto, tsk, tok)
@@ -640,7 +705,12 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
             token_scales(vt_tbl, i, h, c0, n, ip[IP_VT_BS], ip[IP_VT_BLK], ip[IP_VT_H], ip[IP_VT_S], vt_mode,
                          vts, vto, tsv, tov)
         # ---- K chunk -> scores (the softmax scale is folded into q)
-        if generic is None:
+        if dp_qk:
+            # V rows of the same keys are requested on the way (bf16 V: the offsets count 2-byte elements)
+            qk_dp(q2.ctypes.data, q2.shape[1] * 2, kbuf.ctypes.data, koff.ctypes.data, n, s.ctypes.data,
+                  s.shape[1], R, D, scale, vbuf.ctypes.data, voff.ctypes.data, n if v_kind == KIND_BF16 and pf else 0,
+                  2 * Dv)
+        elif generic is None:
             # the fused-only build (bf16 / fp16 / int8 K and V, no rope): numba prunes every other
             # branch when `generic` is None, which halves the first-call compile time
             if k_kind == KIND_BF16:
@@ -709,26 +779,8 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
                         seen = 1
                 if want_any != 0 and seen != 0:
                     anyu[r] = 1
-        # ---- online softmax over the chunk
-        for r in range(R):
-            mo = m[r]
-            mx = mo
-            for c in range(n):
-                x = s[r, c]
-                if x > mx:
-                    mx = x
-            alpha = fexp(mo - mx)
-            ls = np.float32(0.0)
-            for c in range(n):
-                e = fexp(s[r, c] - mx)
-                s[r, c] = e
-                ls += e
-            ll[r] = ll[r] * alpha + ls
-            m[r] = mx
-            if alpha != np.float32(1.0):
-                vx[r] *= alpha
-                for d in range(Dv):
-                    acc[r, d] *= alpha
+        # ---- online softmax over the chunk (and the bf16 probabilities of pv_dp)
+        softmax_chunk(s, R, n, m, ll, vx, acc, Dv, p2, dp_pv)
         # ---- V chunk -> acc
         if vt_mode != 0:
             for r in range(R):
@@ -739,7 +791,15 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
                     for c in range(n):
                         t += s[r, c] * tov[c]
                     vx[r] += t
-        if generic is None:
+        if dp_pv:
+            # the next chunk's K rows are requested on the way
+            nn = 0
+            if dp_qk and pf and c0 + C < hi:
+                nn = min(C, hi - c0 - C)
+                row_offsets(tbl, i, c0 + C, nn, bs, k_blk, h * k_h, k_s, knext)
+            pv_dp(p2.ctypes.data, p2.shape[1] * 2, vbuf.ctypes.data, voff.ctypes.data, n, acc.ctypes.data,
+                  Dv, R, Dv, kbuf.ctypes.data, knext.ctypes.data, nn, 2 * D)
+        elif generic is None:
             if v_kind == KIND_BF16:
                 pv_fused(s, v16, v_kind, voff, n, acc, R, Dv)
             elif v_kind == KIND_FP16:
@@ -807,6 +867,9 @@ def attend_items(items, counter, ip, fp, geo, work, tbl, bufs, kchan, kt_tbl, vt
     tok = np.zeros(C, np.float32)
     tsv = np.ones(C, np.float32)
     tov = np.zeros(C, np.float32)
+    q2 = np.zeros((R, dq), np.uint16)           # bf16 query bits of the dp kernels
+    p2 = np.zeros((R, C + 2), np.uint16)        # bf16 probabilities (pv_dp reads pairs: one spare column)
+    knext = np.zeros(C, np.int64)               # the next chunk's K row offsets (prefetched during PV)
     n_items = items.shape[0]
     while True:
         t = _fetch_add(counter, 0, 1)
@@ -815,7 +878,8 @@ def attend_items(items, counter, ip, fp, geo, work, tbl, bufs, kchan, kt_tbl, vt
         it = items[t]
         _item(it // H, it % H, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbuf,
               kt_tbl, kts, kto, vt_tbl, vts, vto, pse, mask, po, pm, pl, pany,
-              qv, qa, qs, rb, rn, rs, tmp, offs, kf, vf, s, vx, koff, voff, roff, tsk, tok, tsv, tov, generic)
+              qv, qa, qs, rb, rn, rs, tmp, offs, kf, vf, s, vx, koff, voff, roff, tsk, tok, tsv, tov, q2, p2, knext,
+              generic)
 
 
 # ---------------------------------------------------------------------------------------------- planning

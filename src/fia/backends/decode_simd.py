@@ -1,0 +1,397 @@
+"""bf16 dot-product micro-kernels of the decode backend (AVX512-BF16 `vdpbf16ps`), emitted as LLVM IR.
+
+Why: the fused float32 kernels (decode_kernels.qk_fused / pv_fused) widen every bf16 element and then
+multiply-add 16 lanes per instruction; on the machines measured that leaves the decode kernel
+compute-bound at ~120 cycles per key and KV head (docs/PERF_DECODE.md). `vdpbf16ps` multiplies 32 bf16
+pairs and accumulates them into 16 float32 lanes in one instruction at the same rate as one float32
+FMA: twice the multiply-adds, and no widening. Numba has no vector types, so the loops below are
+written with llvmlite's IR builder inside numba intrinsics (the arrays reach them as addresses).
+
+* `qk_dp`: s[r, c] = scale * sum_d q[r, d] * k_c[d] for bf16 query bits q and bf16 key rows. The
+  products of two bf16 values are exact in float32 and the sums accumulate in float32, as in the fused
+  kernel (only the summation order differs).
+* `pv_dp`: acc[r, :] += sum_c p[r, c] * v_c[:] for the probabilities p given as bf16 bits: P is
+  rounded to bf16 before the product, as the hardware's cube unit and torch's bf16 flash kernel do
+  (docs/DECISIONS.md).
+The instruction treats bf16 subnormals (|x| < 1.2e-38) as zero; NaN and Inf propagate as usual.
+
+On a CPU without AVX512-BF16 the same IR computes the products with float32 multiplies (exact
+emulation apart from subnormals), so the code always compiles; the backend only selects these kernels
+where the instruction exists (`HAS_DP`), or when forced for testing (FIA_DECODE_DP=1).
+
+Numba's on-disk cache keys decode_kernels' compiled functions on decode_kernels.py alone: after editing
+this file, touch decode_kernels.py (or delete its __pycache__ *.nbi / *.nbc) so the kernels are rebuilt.
+"""
+from __future__ import annotations
+
+import os
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+
+def _host_has_dp() -> bool:
+    try:
+        import llvmlite.binding as llvm
+        f = llvm.get_host_cpu_features()
+        return bool(f.get("avx512bf16")) and bool(f.get("avx512f"))
+    except Exception:  # pragma: no cover - llvmlite without feature query
+        return False
+
+
+_HOST_DP = _host_has_dp()
+# FIA_DECODE_DP: "0" never use the dp kernels, "1" always (emulated where the CPU lacks the instruction),
+# unset: where the CPU has it
+HAS_DP = {"0": False, "1": True}.get(os.environ.get("FIA_DECODE_DP", ""), _HOST_DP)
+
+
+class _BFloat(ir.Type):
+    """LLVM's `bfloat` (llvmlite has no class for it); only used in the intrinsic's signature."""
+
+    def _to_string(self):
+        return "bfloat"
+
+    def __eq__(self, other):
+        return isinstance(other, _BFloat)
+
+    def __hash__(self):
+        return hash("bfloat")
+
+
+I8P = ir.IntType(8).as_pointer()
+I16, I32, I64 = ir.IntType(16), ir.IntType(32), ir.IntType(64)
+F32 = ir.FloatType()
+V16F = ir.VectorType(F32, 16)
+V16I = ir.VectorType(I32, 16)
+V32H = ir.VectorType(I16, 32)
+V32B = ir.VectorType(_BFloat(), 32)
+ZERO16 = ir.Constant(V16F, [0.0] * 16)
+DP_NAME = "llvm.x86.avx512bf16.dpbf16ps.512"
+
+
+def _dp(b: ir.IRBuilder, acc, x, y):
+    """acc[l] += x[2l] * y[2l] + x[2l + 1] * y[2l + 1] for bf16 pairs x, y (<16 x i32> or <32 x i16>)."""
+    if _HOST_DP:
+        mod = b.module
+        fn = mod.globals.get(DP_NAME)
+        if fn is None:
+            fn = ir.Function(mod, ir.FunctionType(V16F, [V16F, V32B, V32B]), DP_NAME)
+        return b.call(fn, [acc, b.bitcast(x, V32B), b.bitcast(y, V32B)])
+    # emulation: the low bf16 of a pair is `dword << 16`, the high one `dword & 0xffff0000`
+    xi, yi = b.bitcast(x, V16I), b.bitcast(y, V16I)
+    sh = ir.Constant(V16I, [16] * 16)
+    hm = ir.Constant(V16I, [-65536] * 16)
+    lo = b.fmul(b.bitcast(b.shl(xi, sh), V16F), b.bitcast(b.shl(yi, sh), V16F))
+    hi = b.fmul(b.bitcast(b.and_(xi, hm), V16F), b.bitcast(b.and_(yi, hm), V16F))
+    return b.fadd(b.fadd(acc, lo), hi)
+
+
+def _prefetch(b, p):
+    """prefetcht1: into L2 (the line is used a whole chunk later, after L1 has turned over)."""
+    mod = b.module
+    fn = mod.globals.get("llvm.prefetch.p0")
+    if fn is None:
+        fn = ir.Function(mod, ir.FunctionType(ir.VoidType(), [I8P, I32, I32, I32]), "llvm.prefetch.p0")
+    b.call(fn, [p, ir.Constant(I32, 0), ir.Constant(I32, 2), ir.Constant(I32, 1)])
+
+
+def _prefetch_rows(b, x, c, nc):
+    """Prefetch the rows of keys c .. c + nc - 1 of the other stream x = (address, offsets pointer, count,
+    row bytes): keys at or past `count` are skipped. While QK streams a chunk's K, the same keys' V rows
+    are requested; while PV streams V, the next chunk's K rows: both streams stay in flight."""
+    xaddr, xoffp, xn, xbytes = x
+    for j in range(nc):
+        cj = b.add(c, _c(j))
+        with b.if_then(b.icmp_unsigned("<", cj, xn)):
+            row = _gep(b, _ptr(b, xaddr), b.mul(b.load(_gep(b, xoffp, cj)), _c(2)))
+            with cgutils.for_range(b, b.udiv(b.add(xbytes, _c(63)), _c(64))) as loop:
+                _prefetch(b, _gep(b, row, b.mul(loop.index, _c(64))))
+
+
+def _ptr(b, addr, ty=None):
+    """i8* (or ty*) at an int64 address."""
+    p = b.inttoptr(addr, I8P)
+    return p if ty is None else b.bitcast(p, ty.as_pointer())
+
+
+def _gep(b, p, off):
+    return b.gep(p, [off])
+
+
+def _load(b, p, ty, align=1):
+    return b.load(b.bitcast(p, ty.as_pointer()), align=align)
+
+
+def _store(b, v, p, align=1):
+    b.store(v, b.bitcast(p, v.type.as_pointer()), align=align)
+
+
+def _c(v):
+    return ir.Constant(I64, v)
+
+
+def _var(b, init):
+    """A mutable local (alloca in the entry block; LLVM promotes it to a register)."""
+    return cgutils.alloca_once_value(b, init)
+
+
+def _shuffle(b, x, y, mask):
+    return b.shuffle_vector(x, y, ir.Constant(ir.VectorType(I32, len(mask)), mask))
+
+
+# ---------------------------------------------------------------------------------------------- reductions
+def _hsum_many(b, vecs):
+    """Sums of the 16 lanes of each vector of `vecs` (a power-of-two count <= 16), as a list of float
+    values in the order of `vecs`. Pairwise tree: each step adds the lower and upper halves of every
+    slot of two vectors into one vector with twice the slots (2 shuffles + 1 add per pair)."""
+    items = [(v, [(i, 16)]) for i, v in enumerate(vecs)]   # (vector, [(input index, slot width)...])
+    while len(items) > 1 or items[0][1][0][1] > 1:
+        if len(items) == 1:                                  # one vector left: fold it onto itself
+            items.append(items[0])
+            dup = True
+        else:
+            dup = False
+        nxt = []
+        for a in range(0, len(items), 2):
+            (x, sx), (y, sy) = items[a], items[a + 1]
+            w = sx[0][1]
+            h = w // 2
+            lo, hi, slots = [], [], []
+            for si in range(len(sx)):
+                base = si * w
+                lo += list(range(base, base + h)) + list(range(16 + base, 16 + base + h))
+                hi += list(range(base + h, base + w)) + list(range(16 + base + h, 16 + base + w))
+                slots += [(sx[si][0], h), (sy[si][0], h)]
+            z = b.fadd(_shuffle(b, x, y, lo), _shuffle(b, x, y, hi))
+            nxt.append((z, slots))
+        items = nxt
+        if dup:                                              # both copies carry the same sums
+            break
+    z, slots = items[0]
+    w = slots[0][1]
+    out = {}
+    for pos, (idx, width) in enumerate(slots):
+        if idx not in out:
+            out[idx] = (pos * w, width)
+    res = []
+    for i in range(len(vecs)):
+        lane, width = out[i]
+        v = b.extract_element(z, ir.Constant(I32, lane))
+        for k in range(1, width):                            # only when a fold left lanes unsummed
+            v = b.fadd(v, b.extract_element(z, ir.Constant(I32, lane + k)))
+        res.append(v)
+    return res
+
+
+# ---------------------------------------------------------------------------------------------- QK
+def _qk_block(b, NR, NC, q0, q_rs, kaddr, offp, c, s0, s_rs, nd, scale, ND, x):
+    """Scores of NR rows (query row r at byte q0 + r * q_rs) x NC keys (c, c + 1, ...), over nd chunks of
+    32 channels (ND: the same as a compile-time count, or None). Each key row is read front to back
+    before the next one: on the machines measured the hardware prefetchers stream plain ascending reads
+    at ~30 GB/s per core but only half that when rows are read interleaved. With ND known the block is
+    straight-line code, so the NR x NC accumulation chains overlap (vdpbf16ps has a 6-cycle latency)."""
+    accs = [[_var(b, ZERO16) for _ in range(NC)] for _ in range(NR)]
+
+    def chunk(j, kp, o):
+        kv = _load(b, _gep(b, kp, o), V32H)
+        for r in range(NR):
+            qv = _load(b, _gep(b, _ptr(b, b.add(q0, b.mul(q_rs, _c(r)))), o), V32H)
+            b.store(_dp(b, b.load(accs[r][j]), qv, kv), accs[r][j])
+
+    for j in range(NC):
+        kp = _gep(b, _ptr(b, kaddr), b.mul(b.load(_gep(b, offp, b.add(c, _c(j)))), _c(2)))
+        if ND is None:
+            with cgutils.for_range(b, nd) as loop:
+                chunk(j, kp, b.mul(loop.index, _c(64)))
+        else:
+            for k in range(ND):
+                chunk(j, kp, _c(64 * k))
+    _prefetch_rows(b, x, c, NC)
+    sums = _hsum_many(b, [b.load(accs[r][j]) for r in range(NR) for j in range(NC)])
+    for r in range(NR):
+        row = b.add(s0, b.mul(_c(4), b.mul(s_rs, _c(r))))
+        for j in range(NC):
+            p = _gep(b, _ptr(b, row), b.mul(b.add(c, _c(j)), _c(4)))
+            _store(b, b.fmul(sums[r * NC + j], scale), p, align=4)
+
+
+def _qk_rows(b, NR, q0, q_rs, kaddr, offp, n, s0, s_rs, nd, scale, ND, x):
+    n4 = b.udiv(n, _c(4))
+    with cgutils.for_range(b, n4) as loop:
+        _qk_block(b, NR, 4, q0, q_rs, kaddr, offp, b.mul(loop.index, _c(4)), s0, s_rs, nd, scale, ND, x)
+    with cgutils.for_range(b, b.urem(n, _c(4))) as loop:
+        _qk_block(b, NR, 1, q0, q_rs, kaddr, offp, b.add(b.mul(n4, _c(4)), loop.index), s0, s_rs, nd, scale,
+                  ND, x)
+
+
+QK_UNROLLED = (4, 2, 8)      # D = 128, 64, 256: straight-line blocks; other D % 32 == 0: a loop over chunks
+
+
+def _first_only(b, x, r0):
+    """x for the first row block, nothing to prefetch for the others (their rows were requested)."""
+    xaddr, xoffp, xn, xbytes = x
+    return xaddr, xoffp, b.select(b.icmp_unsigned("==", r0, _c(0)), xn, _c(0)), xbytes
+
+
+def _row_blocks(b, R, body):
+    """Rows [0, R) in blocks of 4, then 2, then 1: body(NR, first row)."""
+    n4 = b.udiv(R, _c(4))
+    with cgutils.for_range(b, n4) as loop:
+        body(4, b.mul(loop.index, _c(4)))
+    r = b.mul(n4, _c(4))
+    rem = b.sub(R, r)
+    with b.if_then(b.icmp_unsigned(">=", rem, _c(2))):
+        body(2, r)
+    r1 = b.add(r, b.and_(rem, _c(2)))
+    with b.if_then(b.icmp_unsigned("==", b.and_(rem, _c(1)), _c(1))):
+        body(1, r1)
+
+
+@intrinsic
+def qk_dp(typingctx, qaddr, q_rs, kaddr, offaddr, n, saddr, s_rs, R, D, scale, xaddr, xoffaddr, xn, xbytes):
+    """s[r, c] = scale * q[r, :D] . K[c, :D], r < R, c < n. q: bf16 bits at qaddr, rows q_rs bytes apart;
+    key c: bf16 bits at element offs[c] of the buffer at kaddr; offs: int64 at offaddr; s: float32 at
+    saddr, rows s_rs elements apart. D % 32 == 0. Prefetched on the way (the other stream, see
+    _prefetch_rows): xbytes from element xoffs[c] of the buffer at xaddr for c < min(n, xn)."""
+    sig = types.void(types.int64, types.int64, types.int64, types.int64, types.int64, types.int64,
+                     types.int64, types.int64, types.int64, types.float32, types.int64, types.int64,
+                     types.int64, types.int64)
+
+    def codegen(context, b, signature, args):
+        qa, qrs, ka, oa, n_, sa, srs, R_, D_, sc, xa, xo, xn, xb = args
+        offp = _ptr(b, oa, I64)
+        x = (xa, _ptr(b, xo, I64), xn, xb)
+        nd = b.udiv(D_, _c(32))
+
+        def variant(ND):
+            def body(NR, r0):
+                q0 = b.add(qa, b.mul(r0, qrs))
+                s0 = b.add(sa, b.mul(_c(4), b.mul(r0, srs)))
+                _qk_rows(b, NR, q0, qrs, ka, offp, n_, s0, srs, nd, sc, ND, _first_only(b, x, r0))
+            _row_blocks(b, R_, body)
+
+        def dispatch(k):                                     # if nd == QK_UNROLLED[k] ... else loop
+            if k == len(QK_UNROLLED):
+                variant(None)
+                return
+            with b.if_else(b.icmp_unsigned("==", nd, _c(QK_UNROLLED[k]))) as (then, otherwise):
+                with then:
+                    variant(QK_UNROLLED[k])
+                with otherwise:
+                    dispatch(k + 1)
+        dispatch(0)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+# ---------------------------------------------------------------------------------------------- PV
+# A 32-value chunk of two V rows a (key c), b (key c + 1) becomes two bf16-pair vectors: `lo` holds
+# (a[d], b[d]) for d = 8L + i, `hi` for d = 8L + 4 + i (L = 128-bit lane 0..3, i = 0..3): the
+# vpunpcklwd / vpunpckhwd pattern. Accumulator lane 4L + i therefore belongs to channel 8L + i (lo)
+# or 8L + 4 + i (hi); the accumulators are permuted into that order when loaded and back when stored.
+_UNPACK_LO = [x for L in range(4) for i in range(4) for x in (8 * L + i, 32 + 8 * L + i)]
+_UNPACK_HI = [x for L in range(4) for i in range(4) for x in (8 * L + 4 + i, 32 + 8 * L + 4 + i)]
+_ACC_LO = [8 * L + i for L in range(4) for i in range(4)]          # from natural [m0 ++ m1]
+_ACC_HI = [8 * L + 4 + i for L in range(4) for i in range(4)]
+_ACC_BACK = [(4 * (t // 8) + t % 8) if t % 8 < 4 else (16 + 4 * (t // 8) + t % 8 - 4) for t in range(32)]
+
+
+def _pv_rows(b, NR, DG, p0, p_rs, vaddr, offp, n, a0, a_rs, ngroups, x):
+    """acc rows a0 + r (float32, a_rs elements apart) += P rows p0 + r (bf16 bits, p_rs bytes apart) . V,
+    DG 32-channel chunks per pass over the keys (ngroups passes)."""
+    vbase = _ptr(b, vaddr)
+    zero = ir.Constant(V32H, [0] * 32)
+    with cgutils.for_range(b, ngroups) as g:
+        dbyte = b.mul(g.index, _c(DG * 64))                 # bf16 bytes of this group's first channel
+        dflt = b.mul(g.index, _c(DG * 32 * 4))              # float32 bytes
+        xg = _first_only(b, x, g.index)
+        accs = []
+        for r in range(NR):
+            arow = _gep(b, _ptr(b, a0), b.add(b.mul(a_rs, _c(4 * r)), dflt))
+            row = []
+            for ch in range(DG):
+                m0 = _load(b, _gep(b, arow, _c(ch * 128)), V16F, 4)
+                m1 = _load(b, _gep(b, arow, _c(ch * 128 + 64)), V16F, 4)
+                row.append((_var(b, _shuffle(b, m0, m1, _ACC_LO)), _var(b, _shuffle(b, m0, m1, _ACC_HI))))
+            accs.append(row)
+
+        def step(c, second):
+            """Keys c and (second: c + 1 | None: a zero row with weight 0)."""
+            va = _gep(b, vbase, b.add(b.mul(b.load(_gep(b, offp, c)), _c(2)), dbyte))
+            _prefetch_rows(b, xg, c, 2)
+            xs = [_load(b, _gep(b, va, _c(ch * 64)), V32H) for ch in range(DG)]     # row c front to back
+            if second:
+                vb = _gep(b, vbase, b.add(b.mul(b.load(_gep(b, offp, b.add(c, _c(1)))), _c(2)), dbyte))
+                ys = [_load(b, _gep(b, vb, _c(ch * 64)), V32H) for ch in range(DG)]
+            else:
+                ys = [zero] * DG
+            pairs = [(_shuffle(b, x, y, _UNPACK_LO), _shuffle(b, x, y, _UNPACK_HI)) for x, y in zip(xs, ys)]
+            for r in range(NR):
+                pp = _gep(b, _ptr(b, p0), b.add(b.mul(p_rs, _c(r)), b.mul(c, _c(2))))
+                w = b.load(b.bitcast(pp, I32.as_pointer()), align=2)
+                if not second:                               # weight 0 for the missing key
+                    w = b.and_(w, ir.Constant(I32, 0xFFFF))
+                wv = _shuffle(b, b.insert_element(ir.Constant(V16I, None), w, ir.Constant(I32, 0)),
+                              ir.Constant(V16I, None), [0] * 16)
+                for ch in range(DG):
+                    lo_v, hi_v = accs[r][ch]
+                    b.store(_dp(b, b.load(lo_v), wv, pairs[ch][0]), lo_v)
+                    b.store(_dp(b, b.load(hi_v), wv, pairs[ch][1]), hi_v)
+
+        npair = b.udiv(n, _c(2))
+        with cgutils.for_range(b, npair) as loop:
+            step(b.mul(loop.index, _c(2)), True)
+        with b.if_then(b.icmp_unsigned("==", b.urem(n, _c(2)), _c(1))):
+            step(b.sub(n, _c(1)), False)
+        for r in range(NR):
+            arow = _gep(b, _ptr(b, a0), b.add(b.mul(a_rs, _c(4 * r)), dflt))
+            for ch in range(DG):
+                lo_v, hi_v = accs[r][ch]
+                lo, hi = b.load(lo_v), b.load(hi_v)
+                _store(b, _shuffle(b, lo, hi, _ACC_BACK[:16]), _gep(b, arow, _c(ch * 128)), 4)
+                _store(b, _shuffle(b, lo, hi, _ACC_BACK[16:]), _gep(b, arow, _c(ch * 128 + 64)), 4)
+
+
+def _pv_row_blocks(b, R, Dv, body):
+    """Rows in blocks of 2 (then 1), each pass over the keys covering 128 channels (4 chunks: every V row
+    is read front to back, the order the prefetchers stream best) or, when Dv % 128 != 0, 64 channels."""
+    full = b.icmp_unsigned("==", b.urem(Dv, _c(128)), _c(0))
+    n2 = b.udiv(R, _c(2))
+    with b.if_else(full) as (then, otherwise):
+        with then:
+            with cgutils.for_range(b, n2) as loop:
+                body(2, 4, b.mul(loop.index, _c(2)))
+            with b.if_then(b.icmp_unsigned("==", b.urem(R, _c(2)), _c(1))):
+                body(1, 4, b.sub(R, _c(1)))
+        with otherwise:
+            with cgutils.for_range(b, n2) as loop:
+                body(2, 2, b.mul(loop.index, _c(2)))
+            with b.if_then(b.icmp_unsigned("==", b.urem(R, _c(2)), _c(1))):
+                body(1, 2, b.sub(R, _c(1)))
+
+
+@intrinsic
+def pv_dp(typingctx, paddr, p_rs, vaddr, offaddr, n, aaddr, a_rs, R, Dv, xaddr, xoffaddr, xn, xbytes):
+    """acc[r, :Dv] += sum_c p[r, c] * V[c, :Dv], r < R, c < n. p: bf16 bits at paddr, rows p_rs bytes
+    apart, read as (p[r, c], p[r, c + 1]) pairs (the row must have an even number of readable entries
+    past c when n is odd: the missing partner's weight is masked to 0, its V row is never read);
+    value c: bf16 bits at element offs[c] of the buffer at vaddr; acc: float32 at aaddr, rows a_rs
+    elements apart. Dv % 64 == 0. Prefetched on the way: as in qk_dp (keys c < min(n, xn))."""
+    sig = types.void(types.int64, types.int64, types.int64, types.int64, types.int64, types.int64,
+                     types.int64, types.int64, types.int64, types.int64, types.int64, types.int64,
+                     types.int64)
+
+    def codegen(context, b, signature, args):
+        pa, prs, va, oa, n_, aa, ars, R_, Dv_, xa, xo, xn, xb = args
+        offp = _ptr(b, oa, I64)
+        x = (xa, _ptr(b, xo, I64), xn, xb)
+
+        def body(NR, DG, r0):
+            _pv_rows(b, NR, DG, b.add(pa, b.mul(r0, prs)), prs, va, offp, n_,
+                     b.add(aa, b.mul(_c(4), b.mul(r0, ars))), ars, b.udiv(Dv_, _c(DG * 32)),
+                     _first_only(b, x, r0))
+        _pv_row_blocks(b, R_, Dv_, body)
+        return context.get_dummy_value()
+    return sig, codegen

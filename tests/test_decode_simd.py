@@ -1,0 +1,126 @@
+"""The bf16 dot-product micro-kernels of the decode backend (decode_simd.qk_dp / pv_dp) against float64.
+
+Both the native AVX512-BF16 code (where the CPU has it) and the float32 emulation every other CPU compiles
+are checked, on row counts that exercise every row block (4, 2, 1), key counts that exercise every key block
+(4 / 1 for QK, pairs / odd tail for PV), every unrolled head dim and the generic loop. Scores and
+accumulators outside the written range are NaN-poisoned (must stay NaN / untouched), the unused partner
+weight of an odd key count is poisoned (must be ignored), keys are read through a shuffled offset table
+(paged-like), and the prefetch arguments point at real rows (prefetching never changes results).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+numba = pytest.importorskip("numba")
+from numba import njit  # noqa: E402
+
+from fia.backends import decode_simd as S  # noqa: E402
+
+
+def _kernels(native: bool):
+    """Fresh (uncached) numba wrappers compiled with the native instruction or the emulation."""
+    saved = S._HOST_DP
+    S._HOST_DP = native
+    try:
+        @njit
+        def qk(q, kbuf, offs, n, s, R, D, scale, xbuf, xoffs, xn, xbytes):
+            S.qk_dp(q.ctypes.data, q.shape[1] * 2, kbuf.ctypes.data, offs.ctypes.data, n, s.ctypes.data,
+                    s.shape[1], R, D, scale, xbuf.ctypes.data, xoffs.ctypes.data, xn, xbytes)
+
+        @njit
+        def pv(p, vbuf, offs, n, acc, R, Dv, xbuf, xoffs, xn, xbytes):
+            S.pv_dp(p.ctypes.data, p.shape[1] * 2, vbuf.ctypes.data, offs.ctypes.data, n, acc.ctypes.data,
+                    acc.shape[1], R, Dv, xbuf.ctypes.data, xoffs.ctypes.data, xn, xbytes)
+
+        # compile now, while _HOST_DP says which code to emit
+        one16 = np.zeros((1, 32), np.uint16)
+        buf = np.zeros(64, np.uint16)
+        offs = np.zeros(2, np.int64)
+        qk(one16, buf, offs, 1, np.zeros((1, 2), np.float32), 1, 32, np.float32(1), buf, offs, 1, 64)
+        pv(np.zeros((1, 4), np.uint16), buf, offs, 1, np.zeros((1, 64), np.float32), 1, 64, buf, offs, 1, 64)
+    finally:
+        S._HOST_DP = saved
+    return qk, pv
+
+
+@pytest.fixture(autouse=True)
+def _once(request):
+    """Kernel-level tests: one run, whatever backend the suite's autouse fixture forces."""
+    cs = getattr(request.node, "callspec", None)
+    be = cs.params.get("fia_backend") if cs is not None else None
+    if be is not None and be != "decode":
+        pytest.skip("kernel tests run once, under be=decode")
+
+
+MODES = [False] + ([True] if S._host_has_dp() else [])
+
+
+@pytest.fixture(scope="module", params=MODES, ids=lambda m: "native" if m else "emulated")
+def kernels(request):
+    return _kernels(request.param)
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+@pytest.mark.parametrize("R", [1, 2, 3, 4, 5, 7, 8])
+@pytest.mark.parametrize("n", [1, 3, 4, 6, 13, 64])
+@pytest.mark.parametrize("D", [32, 64, 96, 128, 256])
+def test_qk_dp(kernels, R, n, D):
+    qk, _ = kernels
+    g = torch.Generator().manual_seed(R * 1000 + n * 10 + D)
+    q = torch.randn(R, D, generator=g).bfloat16()
+    pool = torch.randn(3 * n + 5, D, generator=g).bfloat16()
+    rows = torch.randperm(pool.shape[0], generator=g)[:n]
+    offs = (rows * D).numpy().astype(np.int64)
+    s = np.full((R, n + 7), np.nan, np.float32)
+    qk(_bits(q), _bits(pool).reshape(-1), offs, n, s, R, D, np.float32(0.3), _bits(pool).reshape(-1), offs, n,
+       2 * D)
+    ref = 0.3 * (q.double() @ pool[rows].double().T).numpy()
+    np.testing.assert_allclose(s[:, :n], ref, rtol=1e-5, atol=1e-4)
+    assert np.isnan(s[:, n:]).all()                       # nothing written past the keys
+
+
+@pytest.mark.parametrize("R", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("n", [1, 2, 3, 8, 13, 64])
+@pytest.mark.parametrize("Dv", [64, 128, 192, 256])
+def test_pv_dp(kernels, R, n, Dv):
+    _, pv = kernels
+    g = torch.Generator().manual_seed(R * 1000 + n * 10 + Dv + 7)
+    p = torch.rand(R, n, generator=g).bfloat16()
+    pool = torch.randn(3 * n + 5, Dv, generator=g).bfloat16()
+    rows = torch.randperm(pool.shape[0], generator=g)[:n]
+    offs = (rows * Dv).numpy().astype(np.int64)
+    p2 = np.full((R, n + 2), 0x7FC0, np.uint16)          # NaN weights past the keys: must never be used
+    p2[:, :n] = _bits(p)
+    acc0 = torch.randn(R, Dv + 16, generator=g).numpy()
+    acc0[:, Dv:] = np.nan
+    acc = acc0.copy()
+    pv(p2, _bits(pool).reshape(-1), offs, n, acc, R, Dv, _bits(pool).reshape(-1), offs, n, 2 * Dv)
+    ref = acc0[:, :Dv] + (p.double() @ pool[rows].double()).numpy()
+    np.testing.assert_allclose(acc[:, :Dv], ref, rtol=1e-5, atol=1e-4)
+    assert np.isnan(acc[:, Dv:]).all()                    # nothing written past Dv
+
+
+def test_nan_and_inf_propagate(kernels):
+    qk, pv = kernels
+    D = 64
+    q = torch.randn(4, D).bfloat16()
+    k = torch.randn(4, D).bfloat16()
+    k[1, 5] = float("nan")
+    k[2, 7] = float("inf")
+    offs = (torch.arange(4) * D).numpy().astype(np.int64)
+    s = np.zeros((4, 4), np.float32)
+    kb = _bits(k).reshape(-1)
+    qk(_bits(q), kb, offs, 4, s, 4, D, np.float32(1), kb, offs, 0, 0)
+    assert np.isnan(s[:, 1]).all() and np.isfinite(s[:, [0, 3]]).all()
+    assert (np.isinf(s[:, 2]) | np.isnan(s[:, 2])).all()
+    p2 = np.zeros((1, 6), np.uint16)
+    p2[0, :4] = _bits(torch.tensor([0.25, 0.5, 0.0, 0.25]).bfloat16())
+    acc = np.zeros((1, D), np.float32)
+    pv(p2, kb, offs, 4, acc, 1, D, kb, offs, 0, 0)
+    assert np.isnan(acc[0, 5]) and np.isnan(acc[0, 7])   # NaN * 0.5 and Inf * 0 are NaN
+    assert np.isfinite(np.delete(acc[0], [5, 7])).all()
