@@ -282,7 +282,7 @@ def _plan_of(p: AttentionProblem, x: _Inputs, K) -> _Plan:
     threads = max(1, torch.get_num_threads())
     if p.memo_key is None:
         return _plan(p, x, K, threads)
-    key = (p.memo_key, threads, MIN_SPLIT, ITEMS_PER_THREAD, CHUNK_FLOATS, PARALLEL_MIN_WORK, PREFIX_ROWS)
+    key = (p.memo_key, threads, MIN_SPLIT, ITEMS_PER_THREAD, CHUNK_FLOATS, PARALLEL_MIN_WORK, PREFIX_ROWS, K.DP_FLAGS)
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= _MAX_PLANS:
@@ -324,6 +324,7 @@ def _plan(p: AttentionProblem, x: _Inputs, K, threads: int) -> _Plan:
     bpg, ng = _prefix_groups(p) if P > 0 else (1, 0)
     C = _chunk(D + Dr, Dv, max(R0, bpg * R0))
     ip[K.IP_C] = C
+    ip[K.IP_DP] = K.DP_FLAGS
     ip[K.IP_Q_KIND], ip[K.IP_Q_SN], ip[K.IP_Q_SS] = _kind(q), q_sn, q_ss
     if qr is not None:
         ip[K.IP_QR_KIND], ip[K.IP_QR_SN], ip[K.IP_QR_SS] = _kind(qr), qr_sn, qr_ss
