@@ -28,13 +28,14 @@ LSE_TOL = 2e-4
 
 
 def _dp_variants():
-    """ip[IP_DP] values the suite runs under: the bf16 dot-product kernels (decode_simd) where this CPU has
-    them, and the float32 fused kernels (the path of every other CPU) in any case."""
+    """Kernel choices (ip[IP_DP]) the suite runs under: this CPU's default (bf16 dot-product kernels where it
+    has AVX512-BF16, float32 FMA IR kernels for the rest, prefetching), the FMA kernels alone (every other
+    CPU's bf16 path) and no prefetching."""
     try:
         from fia.backends import decode_kernels as K
     except ImportError:                                   # numba missing: the backend is not registered
         return [None]
-    return sorted({K.DP_FLAGS, 0}, reverse=True)
+    return sorted({K.DP_FLAGS, K.DP_PREFETCH, 0}, reverse=True)
 
 
 @pytest.fixture(autouse=True, params=_dp_variants(), ids=lambda v: f"dp{v}")
@@ -199,6 +200,26 @@ def test_dense_gqa(G, dtype, layout):
     kw = dict(num_heads=n, num_key_value_heads=kvn, input_layout=layout, scale=1 / math.sqrt(d),
               softmax_lse_flag=True, actual_seq_lengths_kv=lens)
     compare((to_layout(q, layout), to_layout(k, layout), to_layout(v, layout)), kw, mode="strict")
+
+
+@pytest.mark.parametrize("d", [8, 40, 48, 96, 192])
+@pytest.mark.parametrize("kind", ["bf16", "fp16", "int8"])
+def test_head_dims(d, kind):
+    """Head dims the IR kernels take (multiples of 16: unrolled and looped) and the ones they leave to the
+    numba fused kernels (the generic build), for every fused element kind, with split KV and GQA."""
+    g = gen("dims", d, kind)
+    b, n, kvn, s = 2, 8, 2, 150
+    lens = [150, 61]
+    dt = F16 if kind == "fp16" else BF16
+    q = randn((b, n, 1, d), g, dt)
+    kw = dict(num_heads=n, num_key_value_heads=kvn, input_layout="BNSD", scale=1 / math.sqrt(d),
+              softmax_lse_flag=True, actual_seq_lengths_kv=lens)
+    if kind == "int8":                               # per-tensor antiquant (key and value share the head dim)
+        k, v = rint8((b, kvn, s, d), g), rint8((b, kvn, s, d), g)
+        kw.update(antiquant_scale=runif((2, 1), g, 0.004, 0.02, dt), antiquant_mode=0)
+    else:
+        k, v = poison_kv(randn((b, kvn, s, d), g, dt), lens), poison_kv(randn((b, kvn, s, d), g, dt), lens)
+    compare((q, k, v), kw)
 
 
 @pytest.mark.parametrize("chunk", [8 * 64, 8192, 32768])

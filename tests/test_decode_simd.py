@@ -25,21 +25,21 @@ def _kernels(native: bool):
     S._HOST_DP = native
     try:
         @njit
-        def qk(q, kbuf, offs, n, s, R, D, scale, xbuf, xoffs, xn, xbytes):
+        def qk(q, kbuf, offs, n, s, R, D, scale, xbuf, xoffs, xn, xrow, xes):
             S.qk_dp(q.ctypes.data, q.shape[1] * 2, kbuf.ctypes.data, offs.ctypes.data, n, s.ctypes.data,
-                    s.shape[1], R, D, scale, xbuf.ctypes.data, xoffs.ctypes.data, xn, xbytes)
+                    s.shape[1], R, D, scale, xbuf.ctypes.data, xoffs.ctypes.data, xn, xrow, xes)
 
         @njit
-        def pv(p, vbuf, offs, n, acc, R, Dv, xbuf, xoffs, xn, xbytes):
+        def pv(p, vbuf, offs, n, acc, R, Dv, xbuf, xoffs, xn, xrow, xes):
             S.pv_dp(p.ctypes.data, p.shape[1] * 2, vbuf.ctypes.data, offs.ctypes.data, n, acc.ctypes.data,
-                    acc.shape[1], R, Dv, xbuf.ctypes.data, xoffs.ctypes.data, xn, xbytes)
+                    acc.shape[1], R, Dv, xbuf.ctypes.data, xoffs.ctypes.data, xn, xrow, xes)
 
         # compile now, while _HOST_DP says which code to emit
         one16 = np.zeros((1, 32), np.uint16)
         buf = np.zeros(64, np.uint16)
         offs = np.zeros(2, np.int64)
-        qk(one16, buf, offs, 1, np.zeros((1, 2), np.float32), 1, 32, np.float32(1), buf, offs, 1, 64)
-        pv(np.zeros((1, 4), np.uint16), buf, offs, 1, np.zeros((1, 64), np.float32), 1, 64, buf, offs, 1, 64)
+        qk(one16, buf, offs, 1, np.zeros((1, 2), np.float32), 1, 32, np.float32(1), buf, offs, 1, 32, 2)
+        pv(np.zeros((1, 4), np.uint16), buf, offs, 1, np.zeros((1, 64), np.float32), 1, 64, buf, offs, 1, 64, 2)
     finally:
         S._HOST_DP = saved
     return qk, pv
@@ -78,7 +78,7 @@ def test_qk_dp(kernels, R, n, D):
     offs = (rows * D).numpy().astype(np.int64)
     s = np.full((R, n + 7), np.nan, np.float32)
     qk(_bits(q), _bits(pool).reshape(-1), offs, n, s, R, D, np.float32(0.3), _bits(pool).reshape(-1), offs, n,
-       2 * D)
+       D, 2)
     ref = 0.3 * (q.double() @ pool[rows].double().T).numpy()
     np.testing.assert_allclose(s[:, :n], ref, rtol=1e-5, atol=1e-4)
     assert np.isnan(s[:, n:]).all()                       # nothing written past the keys
@@ -99,7 +99,7 @@ def test_pv_dp(kernels, R, n, Dv):
     acc0 = torch.randn(R, Dv + 16, generator=g).numpy()
     acc0[:, Dv:] = np.nan
     acc = acc0.copy()
-    pv(p2, _bits(pool).reshape(-1), offs, n, acc, R, Dv, _bits(pool).reshape(-1), offs, n, 2 * Dv)
+    pv(p2, _bits(pool).reshape(-1), offs, n, acc, R, Dv, _bits(pool).reshape(-1), offs, n, Dv, 2)
     ref = acc0[:, :Dv] + (p.double() @ pool[rows].double()).numpy()
     np.testing.assert_allclose(acc[:, :Dv], ref, rtol=1e-5, atol=1e-4)
     assert np.isnan(acc[:, Dv:]).all()                    # nothing written past Dv
@@ -115,12 +115,79 @@ def test_nan_and_inf_propagate(kernels):
     offs = (torch.arange(4) * D).numpy().astype(np.int64)
     s = np.zeros((4, 4), np.float32)
     kb = _bits(k).reshape(-1)
-    qk(_bits(q), kb, offs, 4, s, 4, D, np.float32(1), kb, offs, 0, 0)
+    qk(_bits(q), kb, offs, 4, s, 4, D, np.float32(1), kb, offs, 0, 0, 2)
     assert np.isnan(s[:, 1]).all() and np.isfinite(s[:, [0, 3]]).all()
     assert (np.isinf(s[:, 2]) | np.isnan(s[:, 2])).all()
     p2 = np.zeros((1, 6), np.uint16)
     p2[0, :4] = _bits(torch.tensor([0.25, 0.5, 0.0, 0.25]).bfloat16())
     acc = np.zeros((1, D), np.float32)
-    pv(p2, kb, offs, 4, acc, 1, D, kb, offs, 0, 0)
+    pv(p2, kb, offs, 4, acc, 1, D, kb, offs, 0, 0, 2)
     assert np.isnan(acc[0, 5]) and np.isnan(acc[0, 7])   # NaN * 0.5 and Inf * 0 are NaN
     assert np.isfinite(np.delete(acc[0], [5, 7])).all()
+
+
+# ---------------------------------------------------------------------------------------------- FMA kernels
+from fia.backends import decode_fma as FM  # noqa: E402
+
+KINDS = {"bf16": (FM.KIND_BF16, torch.bfloat16), "fp16": (FM.KIND_FP16, torch.float16),
+         "int8": (FM.KIND_I8, torch.int8)}
+
+
+@njit
+def _qk_fma(q, kbuf, kind, offs, n, s, R, D, xbuf, xoffs, xn, xrow, xes):
+    FM.qk_fma(q.ctypes.data, q.shape[1] * 4, kbuf.ctypes.data, kind, offs.ctypes.data, n, s.ctypes.data,
+              s.shape[1], R, D, xbuf.ctypes.data, xoffs.ctypes.data, xn, xrow, xes)
+
+
+@njit
+def _pv_fma(p, vbuf, kind, offs, n, acc, R, Dv, xbuf, xoffs, xn, xrow, xes):
+    FM.pv_fma(p.ctypes.data, p.shape[1] * 4, vbuf.ctypes.data, kind, offs.ctypes.data, n, acc.ctypes.data,
+              acc.shape[1], R, Dv, xbuf.ctypes.data, xoffs.ctypes.data, xn, xrow, xes)
+
+
+def _pool(kind, rows, d, g):
+    _, dt = KINDS[kind]
+    if dt == torch.int8:
+        t = torch.randint(-128, 128, (rows, d), generator=g, dtype=torch.int8)
+        return t, t.numpy().reshape(-1).view(np.uint8)
+    t = torch.randn(rows, d, generator=g).to(dt)
+    return t, t.view(torch.int16).numpy().reshape(-1).view(np.uint8)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("R", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("n", [1, 3, 4, 13, 64])
+@pytest.mark.parametrize("D", [16, 48, 64, 128, 256])
+def test_qk_fma(kind, R, n, D):
+    g = torch.Generator().manual_seed(R * 1000 + n * 10 + D + len(kind))
+    q = torch.randn(R, D, generator=g, dtype=torch.float32)
+    pool, buf = _pool(kind, 3 * n + 5, D, g)
+    rows = torch.randperm(pool.shape[0], generator=g)[:n]
+    offs = (rows * D).numpy().astype(np.int64)
+    s = np.full((R, n + 7), np.nan, np.float32)
+    es = 1 if kind == "int8" else 2
+    _qk_fma(q.numpy(), buf, KINDS[kind][0], offs, n, s, R, D, buf, offs, n, D, es)
+    ref = (q.double() @ pool[rows].double().T).numpy()
+    np.testing.assert_allclose(s[:, :n], ref, rtol=1e-5, atol=1e-3)
+    assert np.isnan(s[:, n:]).all()
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("R", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("n", [1, 2, 13, 64])
+@pytest.mark.parametrize("Dv", [16, 48, 64, 128, 192, 256])
+def test_pv_fma(kind, R, n, Dv):
+    g = torch.Generator().manual_seed(R * 1000 + n * 10 + Dv + 3 * len(kind))
+    p = torch.rand(R, n + 3, generator=g, dtype=torch.float32)
+    p[:, n:] = float("nan")                                 # weights past the keys: never read
+    pool, buf = _pool(kind, 3 * n + 5, Dv, g)
+    rows = torch.randperm(pool.shape[0], generator=g)[:n]
+    offs = (rows * Dv).numpy().astype(np.int64)
+    acc0 = torch.randn(R, Dv + 16, generator=g).numpy()
+    acc0[:, Dv:] = np.nan
+    acc = acc0.copy()
+    es = 1 if kind == "int8" else 2
+    _pv_fma(p.numpy(), buf, KINDS[kind][0], offs, n, acc, R, Dv, buf, offs, n, Dv, es)
+    ref = acc0[:, :Dv] + (p[:, :n].double() @ pool[rows].double()).numpy()
+    np.testing.assert_allclose(acc[:, :Dv], ref, rtol=1e-5, atol=1e-3)
+    assert np.isnan(acc[:, Dv:]).all()

@@ -29,10 +29,14 @@ from numba import carray, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from .decode_fma import pv_fma, qk_fma
 from .decode_simd import HAS_DP, pv_dp, qk_dp
 
-# ip[IP_DP] of a call: the dp kernels where the CPU has AVX512-BF16 (decode_simd.HAS_DP)
-DP_FLAGS = 7 if HAS_DP else 0
+# ip[IP_DP] of a call (kernel choice): the bf16 dp kernels where the CPU has AVX512-BF16 (decode_simd.HAS_DP),
+# the other stream prefetched by the IR kernels. (bf16 / fp16 / int8 K and V that the dp kernels do not take
+# go through the float32 FMA kernels of decode_fma when the head dim is a multiple of 16.)
+DP_QK, DP_PV, DP_PREFETCH = 1, 2, 4
+DP_FLAGS = (DP_QK | DP_PV if HAS_DP else 0) | DP_PREFETCH
 
 # fastmath without nnan / ninf: NaN and Inf in the inputs must propagate (SPEC 14)
 FM = {"reassoc", "contract", "nsz", "arcp"}
@@ -53,7 +57,7 @@ KIND_F32, KIND_BF16, KIND_FP16, KIND_I8, KIND_I4 = 0, 1, 2, 3, 4
 (IP_PSE_KIND, IP_PSE_B, IP_PSE_N, IP_PSE_S, IP_PSE_K, IP_MASK, IP_M_B, IP_M_S, IP_M_K, IP_BAND, IP_COL_BASE,
  IP_WANT_ANY, IP_PREFIX_PASS) = (
     45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57)
-IP_DP = 58               # bit 0: bf16 QK through decode_simd.qk_dp, bit 1: bf16 PV through pv_dp, bit 2: prefetch
+IP_DP = 58               # kernel choice: DP_* bits below
 IP_LEN = 59
 # rows of the per-batch geometry array geo [GEO_LEN, B]
 GEO_QLO, GEO_QHI, GEO_S2, GEO_PRE, GEO_NEXT, GEO_JOFS, GEO_QBASE, GEO_QRBASE = range(8)
@@ -485,6 +489,18 @@ def pv_fused(p, buf, kind, offs, n, acc, R, Dv):
         r += 1
 
 
+@njit(cache=True, inline="always")
+def elem_layout(kind, d):
+    """(bytes per element, elements per row of d values) of a buffer kind (int4: int32 of eight values)."""
+    if kind == KIND_F32:
+        return 4, d
+    if kind == KIND_I8:
+        return 1, d
+    if kind == KIND_I4:
+        return 4, d // 8
+    return 2, d
+
+
 # ---------------------------------------------------------------------------------------------- softmax
 @njit(fastmath=FM | {"nnan"}, cache=True)
 def row_max(s, r, n_, mx):
@@ -612,10 +628,16 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
     q8, q16, q32, qfl = views(qbuf)
     qr8, qr16, qr32, qrfl = views(qrbuf)
     # bf16 dot-product kernels (decode_simd): raw bf16 query bits in q2, the scale applied to the scores
-    dp_qk = ((ip[IP_DP] & 1) != 0 and ip[IP_K_KIND] == KIND_BF16 and ip[IP_Q_KIND] == KIND_BF16 and Dr == 0
+    dp_qk = ((ip[IP_DP] & DP_QK) != 0 and ip[IP_K_KIND] == KIND_BF16 and ip[IP_Q_KIND] == KIND_BF16 and Dr == 0
              and kc_mode == 0 and ip[IP_QD] == 0 and ip[IP_KT_MODE] == 0 and D % 32 == 0)
-    pf = (ip[IP_DP] & 4) != 0           # prefetch the other stream inside the dp kernels
-    dp_pv = (ip[IP_DP] & 2) != 0 and ip[IP_V_KIND] == KIND_BF16 and ip[IP_VT_MODE] == 0 and Dv % 64 == 0
+    pf = (ip[IP_DP] & DP_PREFETCH) != 0           # prefetch the other stream inside the IR kernels
+    dp_pv = (ip[IP_DP] & DP_PV) != 0 and ip[IP_V_KIND] == KIND_BF16 and ip[IP_VT_MODE] == 0 and Dv % 64 == 0
+    # float32 FMA kernels (decode_fma) for the other bf16 / fp16 / int8 cases; the build without the generic
+    # paths only runs those (decode.py sends head dims that are not multiples of 16 to the generic build)
+    fma_qk = (not dp_qk and Dr == 0 and D % 16 == 0
+              and (ip[IP_K_KIND] == KIND_BF16 or ip[IP_K_KIND] == KIND_FP16 or ip[IP_K_KIND] == KIND_I8))
+    fma_pv = (not dp_pv and Dv % 16 == 0
+              and (ip[IP_V_KIND] == KIND_BF16 or ip[IP_V_KIND] == KIND_FP16 or ip[IP_V_KIND] == KIND_I8))
     for r in range(R):
         bl = r // R0
         b = i * BPG + bl
@@ -682,6 +704,8 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
     v_h = ip[IP_V_H]
     v_s = ip[IP_V_S]
     v_kind = ip[IP_V_KIND]
+    k_es, k_row = elem_layout(k_kind, D)              # bytes per element, elements per row (prefetching)
+    v_es, v_row = elem_layout(v_kind, Dv)
     kt_mode = ip[IP_KT_MODE]
     vt_mode = ip[IP_VT_MODE]
     pse_kind = ip[IP_PSE_KIND]            # -1: no pse
@@ -708,17 +732,12 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
         if dp_qk:
             # V rows of the same keys are requested on the way (bf16 V: the offsets count 2-byte elements)
             qk_dp(q2.ctypes.data, q2.shape[1] * 2, kbuf.ctypes.data, koff.ctypes.data, n, s.ctypes.data,
-                  s.shape[1], R, D, scale, vbuf.ctypes.data, voff.ctypes.data, n if v_kind == KIND_BF16 and pf else 0,
-                  2 * Dv)
-        elif generic is None:
-            # the fused-only build (bf16 / fp16 / int8 K and V, no rope): numba prunes every other
-            # branch when `generic` is None, which halves the first-call compile time
-            if k_kind == KIND_BF16:
-                qk_fused(qv, k16, k_kind, koff, n, s, R, D)
-            elif k_kind == KIND_FP16:
-                qk_fused(qv, k16.view(np.int16), k_kind, koff, n, s, R, D)
-            else:
-                qk_fused(qv, k8, k_kind, koff, n, s, R, D)
+                  s.shape[1], R, D, scale, vbuf.ctypes.data, voff.ctypes.data, n if pf else 0, v_row, v_es)
+        elif fma_qk or generic is None:
+            # (the build without generic paths: numba prunes every other branch when `generic` is None,
+            # which keeps the first-call compile time down)
+            qk_fma(qv.ctypes.data, qv.shape[1] * 4, kbuf.ctypes.data, k_kind, koff.ctypes.data, n, s.ctypes.data,
+                   s.shape[1], R, D, vbuf.ctypes.data, voff.ctypes.data, n if pf else 0, v_row, v_es)
         elif Dr == 0 and k_kind == KIND_BF16:
             qk_fused(qv, k16, k_kind, koff, n, s, R, D)
         elif Dr == 0 and k_kind == KIND_FP16:
@@ -791,21 +810,18 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
                     for c in range(n):
                         t += s[r, c] * tov[c]
                     vx[r] += t
-        if dp_pv:
+        if dp_pv or fma_pv or generic is None:
             # the next chunk's K rows are requested on the way
             nn = 0
-            if dp_qk and pf and c0 + C < hi:
+            if pf and c0 + C < hi:
                 nn = min(C, hi - c0 - C)
                 row_offsets(tbl, i, c0 + C, nn, bs, k_blk, h * k_h, k_s, knext)
-            pv_dp(p2.ctypes.data, p2.shape[1] * 2, vbuf.ctypes.data, voff.ctypes.data, n, acc.ctypes.data,
-                  Dv, R, Dv, kbuf.ctypes.data, knext.ctypes.data, nn, 2 * D)
-        elif generic is None:
-            if v_kind == KIND_BF16:
-                pv_fused(s, v16, v_kind, voff, n, acc, R, Dv)
-            elif v_kind == KIND_FP16:
-                pv_fused(s, v16.view(np.int16), v_kind, voff, n, acc, R, Dv)
+            if dp_pv:
+                pv_dp(p2.ctypes.data, p2.shape[1] * 2, vbuf.ctypes.data, voff.ctypes.data, n, acc.ctypes.data,
+                      Dv, R, Dv, kbuf.ctypes.data, knext.ctypes.data, nn, k_row, k_es)
             else:
-                pv_fused(s, v8, v_kind, voff, n, acc, R, Dv)
+                pv_fma(s.ctypes.data, s.shape[1] * 4, vbuf.ctypes.data, v_kind, voff.ctypes.data, n,
+                       acc.ctypes.data, Dv, R, Dv, kbuf.ctypes.data, knext.ctypes.data, nn, k_row, k_es)
         elif v_kind == KIND_BF16:
             pv_fused(s, v16, v_kind, voff, n, acc, R, Dv)
         elif v_kind == KIND_FP16:

@@ -97,17 +97,40 @@ def _prefetch(b, p):
     b.call(fn, [p, ir.Constant(I32, 0), ir.Constant(I32, 2), ir.Constant(I32, 1)])
 
 
+def _other_stream(b, xaddr, xoffaddr, xn, xrow, xes):
+    """The prefetch description of the intrinsics' last five arguments: rows of xrow elements of xes bytes
+    at element offsets xoffs[c] (int64 at xoffaddr) of the buffer at xaddr, for keys c < xn."""
+    return xaddr, _ptr(b, xoffaddr, I64), xn, b.mul(xrow, xes), xes
+
+
 def _prefetch_rows(b, x, c, nc):
-    """Prefetch the rows of keys c .. c + nc - 1 of the other stream x = (address, offsets pointer, count,
-    row bytes): keys at or past `count` are skipped. While QK streams a chunk's K, the same keys' V rows
-    are requested; while PV streams V, the next chunk's K rows: both streams stay in flight."""
-    xaddr, xoffp, xn, xbytes = x
+    """Prefetch the rows of keys c .. c + nc - 1 of the other stream x (_other_stream): keys at or past
+    its count are skipped. While QK streams a chunk's K, the same keys' V rows are requested; while PV
+    streams V, the next chunk's K rows: both streams stay in flight."""
+    xaddr, xoffp, xn, xbytes, xes = x
     for j in range(nc):
         cj = b.add(c, _c(j))
         with b.if_then(b.icmp_unsigned("<", cj, xn)):
-            row = _gep(b, _ptr(b, xaddr), b.mul(b.load(_gep(b, xoffp, cj)), _c(2)))
+            row = _gep(b, _ptr(b, xaddr), b.mul(b.load(_gep(b, xoffp, cj)), xes))
             with cgutils.for_range(b, b.udiv(b.add(xbytes, _c(63)), _c(64))) as loop:
                 _prefetch(b, _gep(b, row, b.mul(loop.index, _c(64))))
+
+
+def _outlined(context, builder, name, args, body):
+    """Call a function `name` of the caller's module whose code body(builder, args) emits (created on first
+    use, internal, never inlined): each kernel is optimized as its own function instead of growing the
+    caller, which keeps the first-call compile time of the decode kernels down."""
+    mod = builder.module
+    fn = mod.globals.get(name)
+    if fn is None:
+        fn = ir.Function(mod, ir.FunctionType(ir.VoidType(), [a.type for a in args]), name=name)
+        fn.linkage = "internal"
+        fn.attributes.add("noinline")
+        b = ir.IRBuilder(fn.append_basic_block("entry"))
+        body(b, list(fn.args))
+        b.ret_void()
+    builder.call(fn, args)
+    return context.get_dummy_value()
 
 
 def _ptr(b, addr, ty=None):
@@ -226,13 +249,13 @@ def _qk_rows(b, NR, q0, q_rs, kaddr, offp, n, s0, s_rs, nd, scale, ND, x):
                   ND, x)
 
 
-QK_UNROLLED = (4, 2, 8)      # D = 128, 64, 256: straight-line blocks; other D % 32 == 0: a loop over chunks
+QK_UNROLLED = (4, 2)         # D = 128, 64: straight-line blocks; other D % 32 == 0: a loop over chunks
 
 
 def _first_only(b, x, r0):
     """x for the first row block, nothing to prefetch for the others (their rows were requested)."""
-    xaddr, xoffp, xn, xbytes = x
-    return xaddr, xoffp, b.select(b.icmp_unsigned("==", r0, _c(0)), xn, _c(0)), xbytes
+    xaddr, xoffp, xn, xbytes, xes = x
+    return xaddr, xoffp, b.select(b.icmp_unsigned("==", r0, _c(0)), xn, _c(0)), xbytes, xes
 
 
 def _row_blocks(b, R, body):
@@ -250,27 +273,25 @@ def _row_blocks(b, R, body):
 
 
 @intrinsic
-def qk_dp(typingctx, qaddr, q_rs, kaddr, offaddr, n, saddr, s_rs, R, D, scale, xaddr, xoffaddr, xn, xbytes):
+def qk_dp(typingctx, qaddr, q_rs, kaddr, offaddr, n, saddr, s_rs, R, D, scale, xaddr, xoffaddr, xn, xrow, xes):
     """s[r, c] = scale * q[r, :D] . K[c, :D], r < R, c < n. q: bf16 bits at qaddr, rows q_rs bytes apart;
     key c: bf16 bits at element offs[c] of the buffer at kaddr; offs: int64 at offaddr; s: float32 at
     saddr, rows s_rs elements apart. D % 32 == 0. Prefetched on the way (the other stream, see
-    _prefetch_rows): xbytes from element xoffs[c] of the buffer at xaddr for c < min(n, xn)."""
-    sig = types.void(types.int64, types.int64, types.int64, types.int64, types.int64, types.int64,
-                     types.int64, types.int64, types.int64, types.float32, types.int64, types.int64,
-                     types.int64, types.int64)
+    _other_stream): rows of xrow elements of xes bytes at element xoffs[c] of the buffer at xaddr, c < xn."""
+    sig = types.void(*([types.int64] * 9 + [types.float32] + [types.int64] * 5))
 
-    def codegen(context, b, signature, args):
-        qa, qrs, ka, oa, n_, sa, srs, R_, D_, sc, xa, xo, xn, xb = args
+    def body(b, args):
+        qa, qrs, ka, oa, n_, sa, srs, R_, D_, sc = args[:10]
         offp = _ptr(b, oa, I64)
-        x = (xa, _ptr(b, xo, I64), xn, xb)
+        x = _other_stream(b, *args[10:])
         nd = b.udiv(D_, _c(32))
 
         def variant(ND):
-            def body(NR, r0):
+            def rows_of(NR, r0):
                 q0 = b.add(qa, b.mul(r0, qrs))
                 s0 = b.add(sa, b.mul(_c(4), b.mul(r0, srs)))
                 _qk_rows(b, NR, q0, qrs, ka, offp, n_, s0, srs, nd, sc, ND, _first_only(b, x, r0))
-            _row_blocks(b, R_, body)
+            _row_blocks(b, R_, rows_of)
 
         def dispatch(k):                                     # if nd == QK_UNROLLED[k] ... else loop
             if k == len(QK_UNROLLED):
@@ -282,7 +303,9 @@ def qk_dp(typingctx, qaddr, q_rs, kaddr, offaddr, n, saddr, s_rs, R, D, scale, x
                 with otherwise:
                     dispatch(k + 1)
         dispatch(0)
-        return context.get_dummy_value()
+
+    def codegen(context, builder, signature, args):
+        return _outlined(context, builder, "fia_qk_dp", args, body)
     return sig, codegen
 
 
@@ -373,25 +396,25 @@ def _pv_row_blocks(b, R, Dv, body):
 
 
 @intrinsic
-def pv_dp(typingctx, paddr, p_rs, vaddr, offaddr, n, aaddr, a_rs, R, Dv, xaddr, xoffaddr, xn, xbytes):
+def pv_dp(typingctx, paddr, p_rs, vaddr, offaddr, n, aaddr, a_rs, R, Dv, xaddr, xoffaddr, xn, xrow, xes):
     """acc[r, :Dv] += sum_c p[r, c] * V[c, :Dv], r < R, c < n. p: bf16 bits at paddr, rows p_rs bytes
     apart, read as (p[r, c], p[r, c + 1]) pairs (the row must have an even number of readable entries
     past c when n is odd: the missing partner's weight is masked to 0, its V row is never read);
     value c: bf16 bits at element offs[c] of the buffer at vaddr; acc: float32 at aaddr, rows a_rs
     elements apart. Dv % 64 == 0. Prefetched on the way: as in qk_dp (keys c < min(n, xn))."""
-    sig = types.void(types.int64, types.int64, types.int64, types.int64, types.int64, types.int64,
-                     types.int64, types.int64, types.int64, types.int64, types.int64, types.int64,
-                     types.int64)
+    sig = types.void(*([types.int64] * 14))
 
-    def codegen(context, b, signature, args):
-        pa, prs, va, oa, n_, aa, ars, R_, Dv_, xa, xo, xn, xb = args
+    def body(b, args):
+        pa, prs, va, oa, n_, aa, ars, R_, Dv_ = args[:9]
         offp = _ptr(b, oa, I64)
-        x = (xa, _ptr(b, xo, I64), xn, xb)
+        x = _other_stream(b, *args[9:])
 
-        def body(NR, DG, r0):
+        def rows_of(NR, DG, r0):
             _pv_rows(b, NR, DG, b.add(pa, b.mul(r0, prs)), prs, va, offp, n_,
                      b.add(aa, b.mul(_c(4), b.mul(r0, ars))), ars, b.udiv(Dv_, _c(DG * 32)),
                      _first_only(b, x, r0))
-        _pv_row_blocks(b, R_, Dv_, body)
-        return context.get_dummy_value()
+        _pv_row_blocks(b, R_, Dv_, rows_of)
+
+    def codegen(context, builder, signature, args):
+        return _outlined(context, builder, "fia_pv_dp", args, body)
     return sig, codegen

@@ -1,0 +1,213 @@
+"""float32 multiply-add micro-kernels of the decode backend for fp16, int8 and bf16 K / V, as LLVM IR.
+
+The counterpart of decode_simd.py for what `vdpbf16ps` cannot take: fp16 values (no fp16 dot product on
+the CPUs measured), int8 values (widened: exact), and bf16 on CPUs without AVX512-BF16. Every element is
+widened to float32 in registers (fp16: `vcvtph2ps`; int8: sign extension + convert; bf16: shift) and
+multiplied with float32 FMAs; nothing is rounded that the float32 fused kernels did not round. What they
+add over decode_kernels.qk_fused / pv_fused is the memory side measured in docs/PERF_DECODE.md item 17:
+every K / V row is read front to back (interleaved rows halve what the prefetchers stream), the other
+stream is prefetched on the way (decode_simd._prefetch_rows), and the accumulators stay in registers.
+
+* `qk_fma`: s[r, c] = q[r, :] . k_c for float32 query rows (the scale and key dequant factors folded in
+  by the caller, as for qk_fused);
+* `pv_fma`: acc[r, :] += sum_c p[r, c] * v_c for float32 probabilities.
+D (Dv) % 16 == 0. Same numba-cache note as decode_simd.py.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .decode_simd import (F32, I16, I32, I64, V16F, ZERO16, _c, _first_only, _gep, _hsum_many, _load,
+                          _other_stream, _outlined, _prefetch_rows, _ptr, _row_blocks, _store, _var)
+
+KIND_BF16, KIND_FP16, KIND_I8 = 1, 2, 3       # decode_kernels.KIND_* (the formats these kernels read)
+_V16H = ir.VectorType(ir.HalfType(), 16)
+_V16S = ir.VectorType(I16, 16)
+_V16B = ir.VectorType(ir.IntType(8), 16)
+_V16I = ir.VectorType(I32, 16)
+
+
+def _widen(b, p, kind: int):
+    """16 elements at byte pointer p as <16 x float>."""
+    if kind == KIND_FP16:
+        return b.fpext(b.bitcast(_load(b, p, _V16S), _V16H), V16F)
+    if kind == KIND_I8:
+        return b.sitofp(b.sext(_load(b, p, _V16B), _V16I), V16F)
+    x = b.zext(_load(b, p, _V16S), _V16I)                   # bf16: the high half of a float32
+    return b.bitcast(b.shl(x, ir.Constant(_V16I, [16] * 16)), V16F)
+
+
+def _esize(kind: int) -> int:
+    return 1 if kind == KIND_I8 else 2
+
+
+def _fma(b, x, y, acc):
+    mod = b.module
+    name = "llvm.fma.v16f32"
+    fn = mod.globals.get(name)
+    if fn is None:
+        fn = ir.Function(mod, ir.FunctionType(V16F, [V16F, V16F, V16F]), name)
+    return b.call(fn, [x, y, acc])
+
+
+def _by_kind(b, kind_v, emit):
+    """emit(kind) for the runtime element kind (one specialization per format)."""
+    with b.if_else(b.icmp_unsigned("==", kind_v, _c(KIND_FP16))) as (then, otherwise):
+        with then:
+            emit(KIND_FP16)
+        with otherwise:
+            with b.if_else(b.icmp_unsigned("==", kind_v, _c(KIND_I8))) as (then2, otherwise2):
+                with then2:
+                    emit(KIND_I8)
+                with otherwise2:
+                    emit(KIND_BF16)
+
+
+def _unrolled(b, count, choices, emit):
+    """emit(N) with N = count when count is one of `choices` (straight-line code), emit(None) otherwise."""
+    def go(k):
+        if k == len(choices):
+            emit(None)
+            return
+        with b.if_else(b.icmp_unsigned("==", count, _c(choices[k]))) as (then, otherwise):
+            with then:
+                emit(choices[k])
+            with otherwise:
+                go(k + 1)
+    go(0)
+
+
+# ---------------------------------------------------------------------------------------------- QK
+def _qk_block(b, kind, NR, NC, q0, q_rs, kaddr, offp, c, s0, s_rs, nd, ND, x):
+    """Scores of NR float32 query rows (row r at byte q0 + r * q_rs) x NC keys (c ...), nd chunks of 16."""
+    es = _esize(kind)
+    accs = [[_var(b, ZERO16) for _ in range(NC)] for _ in range(NR)]
+
+    def chunk(j, kp, k):
+        kv = _widen(b, _gep(b, kp, b.mul(k, _c(16 * es))), kind)
+        for r in range(NR):
+            qv = _load(b, _gep(b, _ptr(b, b.add(q0, b.mul(q_rs, _c(r)))), b.mul(k, _c(64))), V16F, 4)
+            b.store(_fma(b, qv, kv, b.load(accs[r][j])), accs[r][j])
+
+    for j in range(NC):                                      # each key row front to back
+        kp = _gep(b, _ptr(b, kaddr), b.mul(b.load(_gep(b, offp, b.add(c, _c(j)))), _c(es)))
+        if ND is None:
+            with cgutils.for_range(b, nd) as loop:
+                chunk(j, kp, loop.index)
+        else:
+            for k in range(ND):
+                chunk(j, kp, _c(k))
+    _prefetch_rows(b, x, c, NC)
+    sums = _hsum_many(b, [b.load(accs[r][j]) for r in range(NR) for j in range(NC)])
+    for r in range(NR):
+        row = b.add(s0, b.mul(_c(4), b.mul(s_rs, _c(r))))
+        for j in range(NC):
+            _store(b, sums[r * NC + j], _gep(b, _ptr(b, row), b.mul(b.add(c, _c(j)), _c(4))), 4)
+
+
+@intrinsic
+def qk_fma(typingctx, qaddr, q_rs, kaddr, kind, offaddr, n, saddr, s_rs, R, D, xaddr, xoffaddr, xn, xrow, xes):
+    """s[r, c] = q[r, :D] . K[c, :D], r < R, c < n. q: float32 at qaddr, rows q_rs bytes apart; key c:
+    `kind` elements (KIND_BF16 / FP16 / I8) at element offs[c] of the buffer at kaddr; offs: int64 at
+    offaddr; s: float32 at saddr, rows s_rs elements apart. D % 16 == 0. Prefetching as qk_dp."""
+    sig = types.void(*([types.int64] * 15))
+
+    def body(b, args):
+        qa, qrs, ka, kd, oa, n_, sa, srs, R_, D_ = args[:10]
+        offp = _ptr(b, oa, I64)
+        x = _other_stream(b, *args[10:])
+        nd = b.udiv(D_, _c(16))
+
+        def emit(kind):
+            def variant(ND):
+                def rows_of(NR, r0):
+                    q0 = b.add(qa, b.mul(r0, qrs))
+                    s0 = b.add(sa, b.mul(_c(4), b.mul(r0, srs)))
+                    xr = _first_only(b, x, r0)
+                    n4 = b.udiv(n_, _c(4))
+                    with cgutils.for_range(b, n4) as loop:
+                        _qk_block(b, kind, NR, 4, q0, qrs, ka, offp, b.mul(loop.index, _c(4)), s0, srs, nd, ND, xr)
+                    with cgutils.for_range(b, b.urem(n_, _c(4))) as loop:
+                        _qk_block(b, kind, NR, 1, q0, qrs, ka, offp, b.add(b.mul(n4, _c(4)), loop.index), s0, srs,
+                                  nd, ND, xr)
+                _row_blocks(b, R_, rows_of)
+            _unrolled(b, nd, (8,), variant)                  # D = 128 straight-line; others a loop
+        _by_kind(b, kd, emit)
+
+    def codegen(context, builder, signature, args):
+        return _outlined(context, builder, "fia_qk_fma", args, body)
+    return sig, codegen
+
+
+# ---------------------------------------------------------------------------------------------- PV
+def _pv_pass(b, kind, NR, DG, p0, p_rs, vaddr, offp, n, a0, a_rs, g, x):
+    """acc rows a0 + r (a_rs floats apart), channels [16 DG g, 16 DG (g + 1)) += P rows (float32, p_rs
+    bytes apart) . V, one pass over the n keys with NR x DG accumulators in registers."""
+    es = _esize(kind)
+    vbase = _ptr(b, vaddr)
+    accs = []
+    for r in range(NR):
+        arow = _gep(b, _ptr(b, a0), b.add(b.mul(a_rs, _c(4 * r)), b.mul(g, _c(64 * DG))))
+        accs.append([_var(b, _load(b, _gep(b, arow, _c(64 * ch)), V16F, 4)) for ch in range(DG)])
+    with cgutils.for_range(b, n) as loop:
+        c = loop.index
+        vp = _gep(b, vbase, b.add(b.mul(b.load(_gep(b, offp, c)), _c(es)), b.mul(g, _c(16 * DG * es))))
+        vs = [_widen(b, _gep(b, vp, _c(16 * es * ch)), kind) for ch in range(DG)]   # row c front to back
+        _prefetch_rows(b, x, c, 1)
+        for r in range(NR):
+            pw = b.load(b.bitcast(_gep(b, _ptr(b, p0), b.add(b.mul(p_rs, _c(r)), b.mul(c, _c(4)))),
+                                  F32.as_pointer()), align=4)
+            wv = b.shuffle_vector(b.insert_element(ir.Constant(V16F, None), pw, ir.Constant(I32, 0)),
+                                  ir.Constant(V16F, None), ir.Constant(ir.VectorType(I32, 16), [0] * 16))
+            for ch in range(DG):
+                b.store(_fma(b, wv, vs[ch], b.load(accs[r][ch])), accs[r][ch])
+    for r in range(NR):
+        arow = _gep(b, _ptr(b, a0), b.add(b.mul(a_rs, _c(4 * r)), b.mul(g, _c(64 * DG))))
+        for ch in range(DG):
+            _store(b, b.load(accs[r][ch]), _gep(b, arow, _c(64 * ch)), 4)
+
+
+@intrinsic
+def pv_fma(typingctx, paddr, p_rs, vaddr, kind, offaddr, n, aaddr, a_rs, R, Dv, xaddr, xoffaddr, xn, xrow, xes):
+    """acc[r, :Dv] += sum_c p[r, c] * V[c, :Dv], r < R, c < n. p: float32 at paddr, rows p_rs bytes
+    apart; value c: `kind` elements at element offs[c] of the buffer at vaddr; acc: float32 at aaddr,
+    rows a_rs elements apart. Dv % 16 == 0. Prefetching as pv_dp (keys c < xn, first pass only)."""
+    sig = types.void(*([types.int64] * 15))
+
+    def body(b, args):
+        pa, prs, va, kd, oa, n_, aa, ars, R_, Dv_ = args[:10]
+        offp = _ptr(b, oa, I64)
+        x = _other_stream(b, *args[10:])
+
+        def emit(kind):
+            def rows(NR, r0, DG):
+                with cgutils.for_range(b, b.udiv(Dv_, _c(16 * DG))) as g:
+                    _pv_pass(b, kind, NR, DG, b.add(pa, b.mul(r0, prs)), prs, va, offp, n_,
+                             b.add(aa, b.mul(_c(4), b.mul(r0, ars))), ars, g.index,
+                             _first_only(b, _first_only(b, x, r0), g.index))
+
+            def by_width(DG):
+                # 2 rows x 8 chunks (128 channels: a whole row of D = 128 per pass) or 2 x 4 or 2 x 1
+                n2 = b.udiv(R_, _c(2))
+                with cgutils.for_range(b, n2) as loop:
+                    rows(2, b.mul(loop.index, _c(2)), DG)
+                with b.if_then(b.icmp_unsigned("==", b.urem(R_, _c(2)), _c(1))):
+                    rows(1, b.sub(R_, _c(1)), DG)
+
+            with b.if_else(b.icmp_unsigned("==", b.urem(Dv_, _c(128)), _c(0))) as (then, otherwise):
+                with then:
+                    by_width(8)
+                with otherwise:
+                    with b.if_else(b.icmp_unsigned("==", b.urem(Dv_, _c(64)), _c(0))) as (then2, other2):
+                        with then2:
+                            by_width(4)
+                        with other2:
+                            by_width(1)
+        _by_kind(b, kd, emit)
+
+    def codegen(context, builder, signature, args):
+        return _outlined(context, builder, "fia_pv_fma", args, body)
+    return sig, codegen
