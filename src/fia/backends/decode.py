@@ -599,9 +599,10 @@ class _Source:
         return (st[blk] if blk is not None else 0, st[h], st[s])
 
     def generic(self):
-        """None when the fused kernels cover this source (bf16 / fp16 / int8 K and V, no rope): the
-        kernel build without the generic paths (see attend_items); else a marker array."""
-        fused = (_FUSED_KIND.get(_kind(self.key)) and _FUSED_KIND.get(_kind(self.value)) and self.rope is None)
+        """None when the IR kernels cover this source (bf16 / fp16 / int8 K and V, head dims multiples of
+        16, no rope): the kernel build without the generic paths (see attend_items); else a marker array."""
+        fused = (_FUSED_KIND.get(_kind(self.key)) and _FUSED_KIND.get(_kind(self.value)) and self.rope is None
+                 and self.key.shape[-1] % 16 == 0 and self.value.shape[-1] % 16 == 0)
         return None if fused else _dummy(np.uint8)
 
     def entries(self, work, wrange):
