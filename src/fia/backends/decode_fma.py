@@ -21,7 +21,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .decode_simd import (F32, I16, I32, I64, V16F, ZERO16, _c, _first_only, _gep, _hsum_many, _load,
-                          _other_stream, _outlined, _prefetch_rows, _ptr, _row_blocks, _store, _var)
+                          _other_stream, _outlined, _prefetch_rows, _ptr, _pv_row_blocks, _qk_blocks, _store,
+                          _switch, _var)
 
 KIND_BF16, KIND_FP16, KIND_I8 = 1, 2, 3       # decode_kernels.KIND_* (the formats these kernels read)
 _V16H = ir.VectorType(ir.HalfType(), 16)
@@ -51,33 +52,6 @@ def _fma(b, x, y, acc):
     if fn is None:
         fn = ir.Function(mod, ir.FunctionType(V16F, [V16F, V16F, V16F]), name)
     return b.call(fn, [x, y, acc])
-
-
-def _by_kind(b, kind_v, emit):
-    """emit(kind) for the runtime element kind (one specialization per format)."""
-    with b.if_else(b.icmp_unsigned("==", kind_v, _c(KIND_FP16))) as (then, otherwise):
-        with then:
-            emit(KIND_FP16)
-        with otherwise:
-            with b.if_else(b.icmp_unsigned("==", kind_v, _c(KIND_I8))) as (then2, otherwise2):
-                with then2:
-                    emit(KIND_I8)
-                with otherwise2:
-                    emit(KIND_BF16)
-
-
-def _unrolled(b, count, choices, emit):
-    """emit(N) with N = count when count is one of `choices` (straight-line code), emit(None) otherwise."""
-    def go(k):
-        if k == len(choices):
-            emit(None)
-            return
-        with b.if_else(b.icmp_unsigned("==", count, _c(choices[k]))) as (then, otherwise):
-            with then:
-                emit(choices[k])
-            with otherwise:
-                go(k + 1)
-    go(0)
 
 
 # ---------------------------------------------------------------------------------------------- QK
@@ -123,19 +97,10 @@ def qk_fma(typingctx, qaddr, q_rs, kaddr, kind, offaddr, n, saddr, s_rs, R, D, x
 
         def emit(kind):
             def variant(ND):
-                def rows_of(NR, r0):
-                    q0 = b.add(qa, b.mul(r0, qrs))
-                    s0 = b.add(sa, b.mul(_c(4), b.mul(r0, srs)))
-                    xr = _first_only(b, x, r0)
-                    n4 = b.udiv(n_, _c(4))
-                    with cgutils.for_range(b, n4) as loop:
-                        _qk_block(b, kind, NR, 4, q0, qrs, ka, offp, b.mul(loop.index, _c(4)), s0, srs, nd, ND, xr)
-                    with cgutils.for_range(b, b.urem(n_, _c(4))) as loop:
-                        _qk_block(b, kind, NR, 1, q0, qrs, ka, offp, b.add(b.mul(n4, _c(4)), loop.index), s0, srs,
-                                  nd, ND, xr)
-                _row_blocks(b, R_, rows_of)
-            _unrolled(b, nd, (8,), variant)                  # D = 128 straight-line; others a loop
-        _by_kind(b, kd, emit)
+                _qk_blocks(b, qa, qrs, sa, srs, R_, n_, x, lambda NR, NC, q0, c, s0, xr: _qk_block(
+                    b, kind, NR, NC, q0, qrs, ka, offp, c, s0, srs, nd, ND, xr))
+            _switch(b, nd, (8,), variant, None)              # D = 128 straight-line; others a loop
+        _switch(b, kd, (KIND_FP16, KIND_I8), emit, KIND_BF16)
 
     def codegen(context, builder, signature, args):
         return _outlined(context, builder, "fia_qk_fma", args, body)
@@ -183,30 +148,14 @@ def pv_fma(typingctx, paddr, p_rs, vaddr, kind, offaddr, n, aaddr, a_rs, R, Dv, 
         x = _other_stream(b, *args[10:])
 
         def emit(kind):
-            def rows(NR, r0, DG):
+            def rows_of(NR, DG, r0):
                 with cgutils.for_range(b, b.udiv(Dv_, _c(16 * DG))) as g:
                     _pv_pass(b, kind, NR, DG, b.add(pa, b.mul(r0, prs)), prs, va, offp, n_,
                              b.add(aa, b.mul(_c(4), b.mul(r0, ars))), ars, g.index,
                              _first_only(b, _first_only(b, x, r0), g.index))
-
-            def by_width(DG):
-                # 2 rows x 8 chunks (128 channels: a whole row of D = 128 per pass) or 2 x 4 or 2 x 1
-                n2 = b.udiv(R_, _c(2))
-                with cgutils.for_range(b, n2) as loop:
-                    rows(2, b.mul(loop.index, _c(2)), DG)
-                with b.if_then(b.icmp_unsigned("==", b.urem(R_, _c(2)), _c(1))):
-                    rows(1, b.sub(R_, _c(1)), DG)
-
-            with b.if_else(b.icmp_unsigned("==", b.urem(Dv_, _c(128)), _c(0))) as (then, otherwise):
-                with then:
-                    by_width(8)
-                with otherwise:
-                    with b.if_else(b.icmp_unsigned("==", b.urem(Dv_, _c(64)), _c(0))) as (then2, other2):
-                        with then2:
-                            by_width(4)
-                        with other2:
-                            by_width(1)
-        _by_kind(b, kd, emit)
+            # 2 rows x 8 chunks (128 channels: a whole row of D = 128 per pass), or x 4, or x 1
+            _pv_row_blocks(b, R_, Dv_, ((128, 8), (64, 4), 1), rows_of)
+        _switch(b, kd, (KIND_FP16, KIND_I8), emit, KIND_BF16)
 
     def codegen(context, builder, signature, args):
         return _outlined(context, builder, "fia_pv_fma", args, body)

@@ -133,6 +133,21 @@ def _outlined(context, builder, name, args, body):
     return context.get_dummy_value()
 
 
+def _switch(b, value, choices, emit, default):
+    """emit(c) for the runtime `value` equal to one of the compile-time `choices`, emit(default) for any
+    other value: one specialization per choice (unrolled head dims, element kinds)."""
+    def go(k):
+        if k == len(choices):
+            emit(default)
+            return
+        with b.if_else(b.icmp_unsigned("==", value, _c(choices[k]))) as (then, otherwise):
+            with then:
+                emit(choices[k])
+            with otherwise:
+                go(k + 1)
+    go(0)
+
+
 def _ptr(b, addr, ty=None):
     """i8* (or ty*) at an int64 address."""
     p = b.inttoptr(addr, I8P)
@@ -240,13 +255,20 @@ def _qk_block(b, NR, NC, q0, q_rs, kaddr, offp, c, s0, s_rs, nd, scale, ND, x):
             _store(b, b.fmul(sums[r * NC + j], scale), p, align=4)
 
 
-def _qk_rows(b, NR, q0, q_rs, kaddr, offp, n, s0, s_rs, nd, scale, ND, x):
-    n4 = b.udiv(n, _c(4))
-    with cgutils.for_range(b, n4) as loop:
-        _qk_block(b, NR, 4, q0, q_rs, kaddr, offp, b.mul(loop.index, _c(4)), s0, s_rs, nd, scale, ND, x)
-    with cgutils.for_range(b, b.urem(n, _c(4))) as loop:
-        _qk_block(b, NR, 1, q0, q_rs, kaddr, offp, b.add(b.mul(n4, _c(4)), loop.index), s0, s_rs, nd, scale,
-                  ND, x)
+def _qk_blocks(b, qa, q_rs, sa, s_rs, R, n, x, block):
+    """The QK schedule shared by qk_dp and decode_fma.qk_fma: query rows in blocks of 4, 2, 1 (_row_blocks),
+    keys in blocks of 4 then 1; block(NR, NC, q0, c, s0, x) emits one block (q0: the block's first query
+    row address, c: its first key, s0: its first score row address, x: the other stream for its keys)."""
+    def rows_of(NR, r0):
+        q0 = b.add(qa, b.mul(r0, q_rs))
+        s0 = b.add(sa, b.mul(_c(4), b.mul(r0, s_rs)))
+        xr = _first_only(b, x, r0)
+        n4 = b.udiv(n, _c(4))
+        with cgutils.for_range(b, n4) as loop:
+            block(NR, 4, q0, b.mul(loop.index, _c(4)), s0, xr)
+        with cgutils.for_range(b, b.urem(n, _c(4))) as loop:
+            block(NR, 1, q0, b.add(b.mul(n4, _c(4)), loop.index), s0, xr)
+    _row_blocks(b, R, rows_of)
 
 
 QK_UNROLLED = (4, 2)         # D = 128, 64: straight-line blocks; other D % 32 == 0: a loop over chunks
@@ -287,22 +309,10 @@ def qk_dp(typingctx, qaddr, q_rs, kaddr, offaddr, n, saddr, s_rs, R, D, scale, x
         nd = b.udiv(D_, _c(32))
 
         def variant(ND):
-            def rows_of(NR, r0):
-                q0 = b.add(qa, b.mul(r0, qrs))
-                s0 = b.add(sa, b.mul(_c(4), b.mul(r0, srs)))
-                _qk_rows(b, NR, q0, qrs, ka, offp, n_, s0, srs, nd, sc, ND, _first_only(b, x, r0))
-            _row_blocks(b, R_, rows_of)
+            _qk_blocks(b, qa, qrs, sa, srs, R_, n_, x, lambda NR, NC, q0, c, s0, xr: _qk_block(
+                b, NR, NC, q0, qrs, ka, offp, c, s0, srs, nd, sc, ND, xr))
 
-        def dispatch(k):                                     # if nd == QK_UNROLLED[k] ... else loop
-            if k == len(QK_UNROLLED):
-                variant(None)
-                return
-            with b.if_else(b.icmp_unsigned("==", nd, _c(QK_UNROLLED[k]))) as (then, otherwise):
-                with then:
-                    variant(QK_UNROLLED[k])
-                with otherwise:
-                    dispatch(k + 1)
-        dispatch(0)
+        _switch(b, nd, QK_UNROLLED, variant, None)
 
     def codegen(context, builder, signature, args):
         return _outlined(context, builder, "fia_qk_dp", args, body)
@@ -377,22 +387,30 @@ def _pv_rows(b, NR, DG, p0, p_rs, vaddr, offp, n, a0, a_rs, ngroups, x):
                 _store(b, _shuffle(b, lo, hi, _ACC_BACK[16:]), _gep(b, arow, _c(ch * 128 + 64)), 4)
 
 
-def _pv_row_blocks(b, R, Dv, body):
-    """Rows in blocks of 2 (then 1), each pass over the keys covering 128 channels (4 chunks: every V row
-    is read front to back, the order the prefetchers stream best) or, when Dv % 128 != 0, 64 channels."""
-    full = b.icmp_unsigned("==", b.urem(Dv, _c(128)), _c(0))
-    n2 = b.udiv(R, _c(2))
-    with b.if_else(full) as (then, otherwise):
-        with then:
-            with cgutils.for_range(b, n2) as loop:
-                body(2, 4, b.mul(loop.index, _c(2)))
-            with b.if_then(b.icmp_unsigned("==", b.urem(R, _c(2)), _c(1))):
-                body(1, 4, b.sub(R, _c(1)))
-        with otherwise:
-            with cgutils.for_range(b, n2) as loop:
-                body(2, 2, b.mul(loop.index, _c(2)))
-            with b.if_then(b.icmp_unsigned("==", b.urem(R, _c(2)), _c(1))):
-                body(1, 2, b.sub(R, _c(1)))
+def _pv_row_blocks(b, R, Dv, widths, body):
+    """The PV schedule shared by pv_dp and decode_fma.pv_fma: rows in blocks of 2 (then 1), each pass over
+    the keys covering as many channels as its accumulators hold. widths: ((m, DG), ..., DG_default): DG
+    chunks per pass for the first m with Dv % m == 0 (128 channels: every row of D = 128 read front to
+    back in one pass, the order the prefetchers stream best). body(NR, DG, first row)."""
+    *pairs, last = widths
+
+    def rows(DG):
+        with cgutils.for_range(b, b.udiv(R, _c(2))) as loop:
+            body(2, DG, b.mul(loop.index, _c(2)))
+        with b.if_then(b.icmp_unsigned("==", b.urem(R, _c(2)), _c(1))):
+            body(1, DG, b.sub(R, _c(1)))
+
+    def go(k):
+        if k == len(pairs):
+            rows(last)
+            return
+        m, DG = pairs[k]
+        with b.if_else(b.icmp_unsigned("==", b.urem(Dv, _c(m)), _c(0))) as (then, otherwise):
+            with then:
+                rows(DG)
+            with otherwise:
+                go(k + 1)
+    go(0)
 
 
 @intrinsic
@@ -413,7 +431,7 @@ def pv_dp(typingctx, paddr, p_rs, vaddr, offaddr, n, aaddr, a_rs, R, Dv, xaddr, 
             _pv_rows(b, NR, DG, b.add(pa, b.mul(r0, prs)), prs, va, offp, n_,
                      b.add(aa, b.mul(_c(4), b.mul(r0, ars))), ars, b.udiv(Dv_, _c(DG * 32)),
                      _first_only(b, x, r0))
-        _pv_row_blocks(b, R_, Dv_, rows_of)
+        _pv_row_blocks(b, R_, Dv_, ((128, 4), 2), rows_of)
 
     def codegen(context, builder, signature, args):
         return _outlined(context, builder, "fia_pv_dp", args, body)
