@@ -15,6 +15,12 @@ from fia.parse import core, memo
 B, N, KV_N, S, D = 2, 4, 2, 16, 32
 
 
+@pytest.fixture(autouse=True)
+def memo_on(monkeypatch):
+    """Every call computes its signature (the suite's other calls may have made the memo probe only)."""
+    monkeypatch.setattr(memo, "_TRIAL", 1 << 30)
+
+
 def call_args(q=None, k=None, v=None, **kw):
     """The argument dict npu_fused_infer_attention_score hands its parse step (defaults filled in)."""
     g = torch.Generator().manual_seed(0)
@@ -25,6 +31,12 @@ def call_args(q=None, k=None, v=None, **kw):
     a.update(num_heads=N, num_key_value_heads=KV_N, input_layout="BNSD", scale=0.125)
     a.update(kw)
     return dict(query=q, key=k, value=v, **a)
+
+
+def parse(a: dict):
+    """parse_fused of a call seen before (the memo stores a signature the second time it is parsed)."""
+    core.parse_fused(dict(a))
+    return core.parse_fused(dict(a))
 
 
 def fields(p):
@@ -45,16 +57,37 @@ def test_recalled_problem_equals_a_full_parse(layout):
         from util import to_layout
         a = call_args()
         a = call_args(*(to_layout(a[n], layout) for n in ("query", "key", "value")), input_layout=layout)
-    first = core.parse_fused(a)
+    first = parse(a)
     again = core.parse_fused(dict(a))
     assert first.memo_key is not None and again.memo_key == first.memo_key
     assert fields(again) == fields(core._parse(a, "npu_fused_infer_attention_score", None, False))
     assert again.query.data_ptr() == a["query"].data_ptr() and again.kv.key.data_ptr() == a["key"].data_ptr()
 
 
+def test_one_off_signatures_are_probed_only(monkeypatch):
+    a = call_args()
+    parse(a)                                              # stored
+    monkeypatch.setattr(memo, "_TRIAL", 4)
+    monkeypatch.setattr(memo, "_since_hit", 0)
+    tried = [memo.wanted() for _ in range(4 + 3 * memo._PROBE)]
+    assert tried[:4] == [True] * 4 and sum(tried[4:]) == 3
+    for _ in range(memo._PROBE):
+        core.parse_fused(dict(a))                         # the probe among these hits: every call tries again
+    assert all(memo.wanted() for _ in range(4))
+
+
+def test_a_signature_is_stored_the_second_time():
+    a = call_args()
+    memo._MEMO.clear()
+    memo._SEEN.clear()
+    assert core.parse_fused(dict(a)).memo_key is None
+    second = core.parse_fused(dict(a))
+    assert second.memo_key is not None and core.parse_fused(dict(a)).memo_key == second.memo_key
+
+
 def test_new_tensors_same_metadata_are_read():
     a = call_args()
-    core.parse_fused(a)
+    parse(a)
     b = call_args(*(torch.ones_like(a[n]) for n in ("query", "key", "value")))
     out, _ = fia.npu_fused_infer_attention_score(b.pop("query"), b.pop("key"), b.pop("value"), **b)
     assert torch.equal(out, torch.ones_like(out))
@@ -64,31 +97,31 @@ def test_new_tensors_same_metadata_are_read():
                                            ("inner_precise", 1, True), ("actual_seq_lengths_kv", [S], [True]),
                                            ("actual_seq_lengths_kv", [S], (S, 2.0))])
 def test_types_are_part_of_the_signature(name, good, bad):
-    core.parse_fused(call_args(**{name: good}))
+    parse(call_args(**{name: good}))
     with pytest.raises(FiaInputError):
         core.parse_fused(call_args(**{name: bad}))
 
 
 def test_float_sign_is_part_of_the_signature():
-    assert core.parse_fused(call_args(scale=0.0)).scale == 0.0
-    p = core.parse_fused(call_args(scale=-0.0))
+    assert parse(call_args(scale=0.0)).scale == 0.0
+    p = parse(call_args(scale=-0.0))
     assert str(p.scale) == "-0.0"
 
 
 def test_validation_mode_is_part_of_the_signature():
     a = call_args(*(t.float() for t in call_args().values() if isinstance(t, torch.Tensor)))
     with fia.validation_mode("portable"):
-        core.parse_fused(a)
-        core.parse_fused(a)
+        parse(a)
+        parse(a)
     with pytest.raises(FiaInputError, match="float32"):
         core.parse_fused(a)          # float32 is a hardware-only rule: strict mode rejects it
 
 
 def test_strides_are_part_of_the_signature():
     a = call_args()
-    p = core.parse_fused(a)
+    p = parse(a)
     k = a["key"].transpose(2, 3).contiguous().transpose(2, 3)        # same shape, other strides
-    q = core.parse_fused(call_args(a["query"], k, a["value"]))
+    q = parse(call_args(a["query"], k, a["value"]))
     assert q.memo_key != p.memo_key and q.kv.key.stride() == k.stride()
 
 
@@ -96,14 +129,27 @@ def test_calls_with_other_tensors_are_not_memoized():
     mask = torch.zeros(B, 1, S, dtype=torch.bool)
     a = call_args(atten_mask=mask)
     assert memo.signature(a, "x", None, False) is None
-    assert core.parse_fused(a).memo_key is None
+    assert parse(a).memo_key is None
     assert memo.signature(call_args(actual_seq_lengths_kv=torch.tensor([S])), "x", None, False) is None
     assert memo.signature(call_args(q=torch.nn.Parameter(call_args()["query"])), "x", None, False) is None
 
 
+def test_paged_calls_share_a_memo_key_and_are_parsed_every_time():
+    g = torch.Generator().manual_seed(3)
+    cache = torch.randn(6, KV_N, 16, D, generator=g).to(torch.float16)     # 6 blocks of 16
+    a = call_args(k=cache, v=cache, block_size=16, actual_seq_lengths_kv=[S, 9],
+                  block_table=torch.tensor([[0], [3]], dtype=torch.int32))
+    first = parse(a)
+    again = core.parse_fused(dict(a, block_table=torch.tensor([[5], [1]], dtype=torch.int32)))
+    assert first.memo_key is not None and again.memo_key == first.memo_key
+    assert again.kv.table_host == ((5,), (1,))
+    with pytest.raises(FiaInputError, match="block ids"):
+        core.parse_fused(dict(a, block_table=torch.tensor([[6], [1]], dtype=torch.int32)))
+
+
 def test_memo_keeps_no_tensor_alive():
     a = call_args()
-    core.parse_fused(a)
+    parse(a)
     ref = weakref.ref(a["key"])
     del a
     gc.collect()
@@ -112,7 +158,7 @@ def test_memo_keeps_no_tensor_alive():
 
 def test_backend_choice_follows_the_forced_backend():
     a = call_args()
-    p = core.parse_fused(a)
+    p = parse(a)
     with fia.use_backend(None):
         auto = registry.select(p)
     with fia.use_backend("reference"):

@@ -29,6 +29,8 @@ dimension is not contiguous.
 """
 from __future__ import annotations
 
+import functools
+import math
 import os
 import threading
 from typing import List, NamedTuple, Optional
@@ -187,7 +189,9 @@ class _Inputs:
     paged block table). The plan sees only their metadata."""
 
     def __init__(self, p: AttentionProblem):
-        self.q, self.qr = _unit_last(p.query), _unit_last(p.query_rope)
+        q, qr = p.query, p.query_rope                 # read in place with a unit-stride last dim
+        self.q = q if q.stride(-1) == 1 else q.contiguous()
+        self.qr = qr if qr is None or qr.stride(-1) == 1 else qr.contiguous()
         self.qds = None if p.query_dequant is None else p.query_dequant.scale    # (B, N, Q_S) float32
         self.pse = p.pse
         um = p.mask.user_mask
@@ -204,31 +208,32 @@ class _Inputs:
     def addresses(self, K) -> np.ndarray:
         """bufs [2, BUF_LEN] (address, bytes) of the query-side buffers; the KV source fills its own."""
         bufs = _no_bufs(K)
-        for k, t in ((K.BUF_Q, self.q), (K.BUF_QR, self.qr), (K.BUF_QDS, self.qds), (K.BUF_PSE, self.pse),
-                     (K.BUF_MASK, self.mask)):
-            if t is not None:
-                bufs[0, k], bufs[1, k] = _addr(t)
+        bufs[0, K.BUF_Q], bufs[1, K.BUF_Q] = _addr(self.q)
+        if self.qr is not None:
+            bufs[0, K.BUF_QR], bufs[1, K.BUF_QR] = _addr(self.qr)
+        if self.qds is not None:
+            bufs[0, K.BUF_QDS], bufs[1, K.BUF_QDS] = _addr(self.qds)
+        if self.pse is not None:
+            bufs[0, K.BUF_PSE], bufs[1, K.BUF_PSE] = _addr(self.pse)
+        if self.mask is not None:
+            bufs[0, K.BUF_MASK], bufs[1, K.BUF_MASK] = _addr(self.mask)
         return bufs
-
-
-def _unit_last(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
 def _chan_modes(p: AttentionProblem):
     """Modes of the key's and the value's dequant factors applied outside the loop (tensor / channel /
-    head: key folded into the query, value in merge): 0 none or per token, 1 scale, 2 scale and offset."""
+    head: key folded into the query, value in merge): 0 per token, 1 scale, 2 scale and offset."""
     aq = p.antiquant
-    if aq is None:
-        return 0, 0
     return tuple(0 if s.per_token else 1 + (s.offset is not None) for s in (aq.key, aq.value))
 
 
 def _dequant_factors(p: AttentionProblem):
     """kchan [modes, KV_N, D] (scale, offset), vcs / vco [KV_N, Dv] float32 (dummies where absent)."""
     aq, H = p.antiquant, p.KV_N
-    kmode, vmode = _chan_modes(p)
     kchan, vcs, vco = _dummy(np.float32, 3), _dummy(np.float32, 2), _dummy(np.float32, 2)
+    if aq is None:
+        return kchan, vcs, vco
+    kmode, vmode = _chan_modes(p)
     if kmode:
         f = [aq.key.scale] + ([aq.key.offset] if kmode == 2 else [])
         kchan = torch.stack([_chan(t, aq.key.granularity, H, p.D) for t in f]).contiguous().numpy()
@@ -294,7 +299,6 @@ def _plan_of(p: AttentionProblem, x: _Inputs, K) -> _Plan:
 def _plan(p: AttentionProblem, x: _Inputs, K, threads: int) -> _Plan:
     B, H, G, QS, Dv = p.B, p.KV_N, p.G, p.Q_S, p.Dv
     R0 = G * QS
-    geom = p.geometry
     P = 0 if p.prefix is None else p.prefix.length
     q, qr = x.q, x.qr
     D = q.shape[-1]
@@ -302,20 +306,14 @@ def _plan(p: AttentionProblem, x: _Inputs, K, threads: int) -> _Plan:
 
     # ---- per-batch geometry: query window, effective keys, band, column offset, query row base
     has_band = p.mask.kind == "band"
+    qst, qrst = q.stride(), (qr.stride() if qr is not None else (0,) * q.dim())
     if p.packed:                                  # [N, T, D]: batch b starts at row q_offset
-        qst, qrst = q.stride(), (qr.stride() if qr is not None else (0, 0, 0))
         q_sn, q_ss, qr_sn, qr_ss = qst[0], qst[1], qrst[0], qrst[1]
-        qb = [g.q_offset * q_ss for g in geom]
-        qrb = [g.q_offset * qr_ss for g in geom]
+        q_sb, qr_sb = q_ss, qr_ss
     else:                                         # [B, N, Q_S, D]
-        qst, qrst = q.stride(), (qr.stride() if qr is not None else (0, 0, 0, 0))
         q_sn, q_ss, qr_sn, qr_ss = qst[1], qst[2], qrst[1], qrst[2]
-        qb = [b * qst[0] for b in range(B)]
-        qrb = [b * qrst[0] for b in range(B)]
-    bands = [p.mask.band_for(g.s1, g.s2) for g in geom] if has_band else [(0, 0)] * B
-    geo = np.array([[g.q_lo for g in geom], [g.q_hi for g in geom], [g.s2 for g in geom],   # GEO_* rows
-                    [bd[0] for bd in bands], [bd[1] for bd in bands], [P - g.kv_lo for g in geom], qb, qrb],
-                   np.int64)
+        q_sb, qr_sb = qst[0], qrst[0]
+    geo, lens, kv_lo, keys_total = _geometry(p, P, q_sb, qr_sb)
 
     ip = [0] * K.IP_LEN
     ip[K.IP_R0], ip[K.IP_BPG], ip[K.IP_R], ip[K.IP_B] = R0, 1, R0, B
@@ -331,7 +329,7 @@ def _plan(p: AttentionProblem, x: _Inputs, K, threads: int) -> _Plan:
     if x.qds is not None:                         # indexed by the batch's own row
         st = x.qds.stride()
         ip[K.IP_QD], ip[K.IP_QD_SB], ip[K.IP_QD_SN], ip[K.IP_QD_SS] = 1, st[0], st[1], st[2]
-    kc_mode, v_chan = _chan_modes(p)
+    kc_mode, v_chan = (0, 0) if p.antiquant is None else _chan_modes(p)
     ip[K.IP_KC_MODE] = kc_mode
 
     # ---- pse / mask, physical coordinates
@@ -350,16 +348,13 @@ def _plan(p: AttentionProblem, x: _Inputs, K, threads: int) -> _Plan:
     ip[K.IP_WANT_ANY] = want_any
 
     # ---- own keys: work entries (batch, key range) x KV heads
-    lens_l = [(g.kv_hi - g.kv_lo) if g.s1 > 0 else 0 for g in geom]
-    lens = np.array(lens_l, np.int64)
-    kv_lo = np.array([g.kv_lo for g in geom], np.int64)
     work, wrange = K.split_work(lens, kv_lo, H, threads, C, MIN_SPLIT, ITEMS_PER_THREAD)
     W = work.shape[1]
     ip[K.IP_COL_BASE] = P
     own = []
     for src in x.sources:
         w0, w1 = src.entries(work, wrange)
-        keys = sum(lens_l) if src.batch is None else lens_l[src.batch]
+        keys = keys_total if src.batch is None else int(lens[src.batch])
         wk = work if (w0, w1) == (0, W) else np.ascontiguousarray(work[:, w0:w1])
         own.append(_launch_plan(src, ip, K, wk, w0, w1, H, R0, threads, keys) if w1 > w0 else None)
 
@@ -369,7 +364,7 @@ def _plan(p: AttentionProblem, x: _Inputs, K, threads: int) -> _Plan:
         Rp = bpg * R0
         pwork, pwrange = K.split_work(np.full(ng, P, np.int64), np.zeros(ng, np.int64), H, threads, C,
                                       MIN_SPLIT, ITEMS_PER_THREAD)
-        ipp = list(ip)
+        ipp = list(ip)                            # (the prefix source sets its own source ints)
         ipp[K.IP_BPG], ipp[K.IP_R] = bpg, Rp
         ipp[K.IP_COL_BASE], ipp[K.IP_PREFIX_PASS] = 0, 1
         prefix = _launch_plan(x.prefix, ipp, K, pwork, 0, pwork.shape[1], H, Rp, threads, ng * P)
@@ -382,50 +377,75 @@ def _plan(p: AttentionProblem, x: _Inputs, K, threads: int) -> _Plan:
     lst = (p.T, 1) if p.packed else (QS, 1)
     mp = np.array([B, G, QS, H, int(P > 0), int(p.sink is not None), v_chan, want_any, bpg, int(has_band),
                    ost[0], ost[1], lst[0], lst[1], okind], np.int64)
-    out_bytes = int(np.prod(shape)) * out_dtype.itemsize
+    out_bytes = math.prod(shape) * out_dtype.itemsize
     return _Plan(np.array([p.scale], np.float64), geo, W, wrange, own, prefix, Rp, pwrange, mp, obase, shape,
                  perm, out_dtype, out_bytes)
 
 
+def _geometry(p: AttentionProblem, P: int, q_sb: int, qr_sb: int):
+    """geo [GEO_LEN, B] (GEO_* rows), own keys [B] and their first position [B], all own keys: one pass
+    over the batches. q_sb / qr_sb: elements between batches (packed: between rows, times q_offset)."""
+    band = p.mask.band_for if p.mask.kind == "band" else None
+    packed = p.packed
+    rows = []
+    for b, g in enumerate(p.geometry):
+        s1, s2 = g.s1, g.s2
+        pre, nxt = band(s1, s2) if band is not None else (0, 0)
+        r = g.q_offset if packed else b
+        rows.append((g.q_lo, g.q_hi, s2, pre, nxt, P - g.kv_lo, r * q_sb, r * qr_sb,
+                     (g.kv_hi - g.kv_lo) if s1 > 0 else 0, g.kv_lo))
+    a = np.array(rows, np.int64).reshape(-1, 10).T.copy()       # (C-contiguous rows: the kernels' layout)
+    return a[:8], a[8], a[9], sum(r[8] for r in rows)
+
+
 def _launch_plan(src: "_Source", ip: list, K, work: np.ndarray, w0: int, w1: int, H: int, R: int, threads: int,
                  keys: int) -> _Launch:
-    """A source's launch: the shared int parameters with the source's own (ip is not modified)."""
-    ip = list(ip)
+    """A source's launch: the shared int parameters (in ip) with the source's own; the items w * H + h in
+    the order the threads take them. Threaded: longest first; small work (keys x H x R < PARALLEL_MIN_WORK)
+    stays on the calling thread."""
     src.ints(ip, K)
-    items, t = _schedule(work, H, R, threads, keys)
+    n = work.shape[1] * H
+    t = min(threads, n)
+    if t <= 1 or keys * H * R < PARALLEL_MIN_WORK:
+        items, t = np.arange(n, dtype=np.int64), 1
+    else:
+        items = np.argsort(-np.repeat(work[2] - work[1], H), kind="stable").astype(np.int64)
     return _Launch(np.array(ip, np.int64), work, w0, w1, items, t, src.generic())
 
 
 def _out_layout(p: AttentionProblem):
     """The output as allocated (in the output layout) and its canonical view: (shape, permutation to the
     canonical view or None, per-batch row bases / existing rows [3, B], (head, row) strides)."""
-    B, N, QS, Dv, geom = p.B, p.N, p.Q_S, p.Dv, p.geometry
-    lay = p.layout.out
-    if p.packed:
-        shape, perm = ((p.T, N, Dv), (1, 0, 2)) if lay == "TND" else ((N, p.T, Dv), None)
-    elif lay in ("BSH", "BSND"):
+    if not p.packed:
+        return _padded_out_layout(p.layout.out, p.B, p.N, p.Q_S, p.Dv)
+    N, Dv, geom = p.N, p.Dv, p.geometry
+    shape, perm = ((p.T, N, Dv), (1, 0, 2)) if p.layout.out == "TND" else ((N, p.T, Dv), None)
+    st = _view_strides(shape, perm)
+    obase = np.array([[g.q_offset * st[1] for g in geom], [g.q_offset for g in geom],
+                      [g.q_rows for g in geom]], np.int64)
+    return shape, perm, obase, (st[0], st[1])
+
+
+@functools.lru_cache(maxsize=256)
+def _padded_out_layout(lay: str, B: int, N: int, QS: int, Dv: int):
+    """_out_layout of [B, N, Q_S, Dv] outputs (a function of these alone; obase is only read)."""
+    if lay in ("BSH", "BSND"):
         shape, perm = (B, QS, N, Dv), (0, 2, 1, 3)
     elif lay == "NBSD":
         shape, perm = (N, B, QS, Dv), (1, 0, 2, 3)
     else:
         shape, perm = (B, N, QS, Dv), None
-    st = _contiguous_strides(shape)
-    if perm is not None:
-        st = tuple(st[i] for i in perm)
-    if p.packed:
-        obase = np.array([[g.q_offset * st[1] for g in geom], [g.q_offset for g in geom],
-                          [g.q_rows for g in geom]], np.int64)
-        return shape, perm, obase, (st[0], st[1])
+    st = _view_strides(shape, perm)
     obase = np.array([[b * st[0] for b in range(B)], [b * N * QS for b in range(B)], [QS] * B], np.int64)
     return shape, perm, obase, (st[1], st[2])
 
 
-def _contiguous_strides(shape: tuple) -> tuple:
-    st, n = [], 1
-    for s in reversed(shape):
-        st.append(n)
-        n *= s
-    return tuple(reversed(st))
+def _view_strides(shape: tuple, perm: Optional[tuple]):
+    """Strides of a contiguous tensor of `shape`, permuted by perm (None: as is)."""
+    st = [1] * len(shape)
+    for i in range(len(shape) - 1, 0, -1):
+        st[i - 1] = st[i] * shape[i]
+    return st if perm is None else [st[i] for i in perm]
 
 
 def _execute(p: AttentionProblem, x: _Inputs, plan: _Plan, K) -> BackendResult:
@@ -436,7 +456,7 @@ def _execute(p: AttentionProblem, x: _Inputs, plan: _Plan, K) -> BackendResult:
     for src, launch in zip(x.sources, plan.own):
         if launch is not None:
             _attend(K, plan, launch, src, qbufs, x.kchan, po, pm, pl, pany)
-    ppo, ppm, ppl, ppany = po[:1], pm[:1], pl[:1], pany[:1]
+    ppo, ppm, ppl, ppany = po, pm, pl, pany                  # (read only with a prefix)
     if plan.prefix is not None:
         ppo, ppm, ppl, ppany = _partials(plan.prefix.work.shape[1], H, plan.prefix_rows, Dv)
         _attend(K, plan, plan.prefix, x.prefix, qbufs, x.kchan, ppo, ppm, ppl, ppany)
@@ -513,17 +533,6 @@ def _pool(n: int):
         return _POOL
 
 
-def _schedule(work: np.ndarray, H: int, R: int, threads: int, keys_total: int):
-    """(items w * H + h in the order the threads take them, threads to use). Threaded: longest first;
-    small work (keys_total x H x R < PARALLEL_MIN_WORK) stays on the calling thread."""
-    n = work.shape[1] * H
-    t = min(threads, n)
-    if t <= 1 or keys_total * H * R < PARALLEL_MIN_WORK:
-        return np.arange(n, dtype=np.int64), 1
-    keys = np.repeat(work[2] - work[1], H)                                    # [n] cost of each item
-    return np.argsort(-keys, kind="stable").astype(np.int64), t
-
-
 def _launch(fn, items: np.ndarray, t: int, args: tuple) -> None:
     """Run fn(items, counter, *args) on t threads (the calling thread included).
 
@@ -567,12 +576,13 @@ class _Tokens:
     def ints(self) -> tuple:
         """(mode, block size, block / head / position strides) for ip."""
         if not self.mode:
-            return 0, _BIG, 0, 0, 0
+            return _NO_TOKEN_INTS
         st = self.scale.stride()
         return self.mode, self.bs, st[0], (st[1] if self.gran in ("token_head", "block_token_head") else 0), st[-1]
 
 
 _NO_TOKENS = _Tokens()
+_NO_TOKEN_INTS = (0, _BIG, 0, 0, 0)
 
 
 class _Source:
@@ -623,10 +633,16 @@ class _Source:
         ip[K.IP_VT_MODE], ip[K.IP_VT_BS], ip[K.IP_VT_BLK], ip[K.IP_VT_H], ip[K.IP_VT_S] = self.vtok.ints()
 
     def addresses(self, bufs: np.ndarray, K) -> None:
-        for k, t in ((K.BUF_K, self.key), (K.BUF_V, self.value), (K.BUF_R, self.rope), (K.BUF_KTS, self.ktok.scale),
-                     (K.BUF_KTO, self.ktok.offset), (K.BUF_VTS, self.vtok.scale), (K.BUF_VTO, self.vtok.offset)):
-            if t is not None:
-                bufs[0, k], bufs[1, k] = _addr(t)
+        bufs[0, K.BUF_K], bufs[1, K.BUF_K] = _addr(self.key)
+        bufs[0, K.BUF_V], bufs[1, K.BUF_V] = _addr(self.value)
+        if self.rope is not None:
+            bufs[0, K.BUF_R], bufs[1, K.BUF_R] = _addr(self.rope)
+        if self.ktok.mode:
+            bufs[0, K.BUF_KTS], bufs[1, K.BUF_KTS] = _addr(self.ktok.scale)
+            bufs[0, K.BUF_KTO], bufs[1, K.BUF_KTO] = _addr(self.ktok.offset)
+        if self.vtok.mode:
+            bufs[0, K.BUF_VTS], bufs[1, K.BUF_VTS] = _addr(self.vtok.scale)
+            bufs[0, K.BUF_VTO], bufs[1, K.BUF_VTO] = _addr(self.vtok.offset)
 
 
 def _sources(p: AttentionProblem):

@@ -27,7 +27,7 @@ def parse_fused(a: dict, api: str = "npu_fused_infer_attention_score", aliases: 
                 *, decode_only: bool = False) -> AttentionProblem:
     """Arguments -> problem. A call whose only tensors are query, key and value is fully parsed once per
     signature of its metadata; later calls with the same signature re-view their tensors (parse/memo.py)."""
-    sig = memo.signature(a, api, aliases, decode_only)
+    sig = memo.signature(a, api, aliases, decode_only) if memo.wanted() else None
     if sig is None:
         return _parse(a, api, aliases, decode_only)
     p = memo.recall(sig, a)

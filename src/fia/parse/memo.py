@@ -1,21 +1,26 @@
-"""Parse memo for the common call: query, key and value are its only tensors.
+"""Parse memo: one signature per call's metadata; its problem stored when data play no part in it.
 
-Such a call gives parse nothing to read but metadata: the three tensors' dtype, shape, strides and device,
-and the values and types of the other arguments (ints, floats, strings, bools, None, lists of ints), plus
-the entry point and the validation mode. Equal metadata therefore parse to the same problem over other
-tensors, so the full parse (~30-40 us, issue 7's small call) runs once per signature and later calls only
-re-view their tensors (`recall`). Only successful parses are stored: an invalid call never has a stored
-signature and always runs the full parse, with its own error.
+A call whose tensors are query, key and value only gives parse nothing to read but metadata: the tensors'
+dtype, shape, strides and device, and the values and types of the other arguments (ints, floats, strings,
+bools, None, lists of ints), plus the entry point and the validation mode. Equal metadata therefore parse
+to the same problem over other tensors, so the full parse (~30-40 us, issue 7's small call) runs once per
+signature and later calls only re-view their tensors (`recall`). Only successful parses are stored: an
+invalid call never has a stored signature and always runs the full parse, with its own error.
 
-Not memoized (the full parse runs every time): any other tensor argument (masks, block tables, scales,
-lengths as tensors: parse may read their values), tensor lists, tensor subclasses (FakeTensor in graph
-mode, Parameter), tensors that are not strided CPU tensors, NumPy values, lists holding anything but ints.
+A paged call (a block table besides them) still runs the full parse every time: the block ids are data,
+range-checked on the host. They are only data, though (the table reaches the backend beside the cache),
+so problems of the same signature share a memo_key, on which the backend choice and the decode plan are
+memoized.
+
+Without a signature (the full parse runs, nothing is memoized): any other tensor argument (masks, scales,
+lengths or padding sizes as tensors: parse reads their values into the problem), tensor lists, tensor
+subclasses (FakeTensor in graph mode, Parameter), tensors that are not strided CPU tensors, NumPy values,
+lists holding anything but ints.
 """
 from __future__ import annotations
 
-import itertools
 import math
-from itertools import compress, repeat
+from itertools import compress, count, repeat
 from operator import is_
 from typing import Optional
 
@@ -26,83 +31,108 @@ from ..spec.layout import to_canonical
 from ..spec.problem import AttentionProblem
 
 _Tensor = torch.Tensor
+_TENSORS = ("query", "key", "value")
+_DATA_ONLY = "block_table"   # the one other tensor argument whose values never shape the problem's metadata
 _SCALARS = frozenset({type(None), bool, int, float, str, list, tuple})   # the other arguments' types covered
 _INTS = frozenset({int})
+_SEQS = frozenset({list, tuple})
 _ONES, _FLOATS = repeat(1.0), repeat(float)
 _MAX = 256                   # stored signatures (cleared when full: a loop over many shapes only re-parses)
-_MEMO: dict = {}             # signature -> the problem without its tensors
-_KEYS = itertools.count()    # AttentionProblem.memo_key of each stored signature
+_MEMO: dict = {}             # signature -> (problem without its tensors or None: parse each time, memo_key)
+_KEYS = count()              # memo_keys
+_SEEN: set = set()           # hashes of the signatures parsed once (admission: stored the second time)
+_MAX_SEEN = 4096
+_TRIAL, _PROBE = 64, 8       # after _TRIAL calls without a hit, only one call in _PROBE computes its signature
+_since_hit = 0               # calls since the last hit
 
 
 def _meta(t: torch.Tensor):
     """What parse (and a backend's plan) can see of a tensor without its data; None: not covered."""
-    if not t.is_cpu or t.layout != torch.strided:
+    if type(t) is not _Tensor or not t.is_cpu or t.layout != torch.strided:
         return None
     return t.dtype, t.shape, t.stride()
 
 
-def _where(types: tuple, t: type):
-    """Indices of the arguments of type t (count and index run in C: a Python loop over ~55 arguments costs ~4 us)."""
-    i = -1
-    for _ in range(types.count(t)):
-        i = types.index(t, i + 1)
-        yield i
+def wanted() -> bool:
+    """Whether this call computes its signature. After _TRIAL calls without a hit (a stream of one-off
+    signatures, like a decode loop whose KV lengths grow every step, or calls the memo does not cover) one
+    call in _PROBE does, until one hits again: such a stream pays 1/8 of the signature's ~5 us."""
+    global _since_hit
+    _since_hit += 1
+    return _since_hit <= _TRIAL or _since_hit % _PROBE == 0
 
 
 def signature(a: dict, api: str, aliases: Optional[dict], decode_only: bool) -> Optional[tuple]:
-    """A hashable key of everything parse_fused reads from the call `a`, or None when it is not covered.
-    Every argument counts with its type (True is not 1, 1 is not 1.0) and floats with their sign (-0.0)."""
-    q, k, v = a["query"], a["key"], a["value"]
-    if type(q) is not _Tensor or type(k) is not _Tensor or type(v) is not _Tensor:
-        return None
-    qkv = (_meta(q), _meta(k), _meta(v))
-    if None in qkv:
-        return None
+    """A hashable key of everything parse_fused reads from the call `a` (the block table: its metadata),
+    or None when it is not covered. Every argument counts with its type (True is not 1, 1 is not 1.0) and
+    floats with their sign (-0.0)."""
     rest = a.copy()
-    del rest["query"], rest["key"], rest["value"]
+    tensors = [rest.pop(n) for n in _TENSORS]
+    if type(rest.get(_DATA_ONLY)) is _Tensor:
+        tensors.append(rest.pop(_DATA_ONLY))
     vals = tuple(rest.values())
     types = tuple(map(type, vals))                        # (C loops: this runs on every call)
     kinds = set(types)
-    if not _SCALARS.issuperset(kinds):
+    if not _SCALARS.issuperset(kinds):                  # another tensor (or anything else): rejected cheaply
+        return None
+    metas = tuple(map(_meta, tensors))
+    if None in metas:
         return None
     if list in kinds or tuple in kinds:                  # the lengths lists: ints only, as tuples
         vals = list(vals)
-        for i in itertools.chain(_where(types, list), _where(types, tuple)):
+        for i in compress(range(len(types)), map(_SEQS.__contains__, types)):
             if not _INTS.issuperset(map(type, vals[i])):
                 return None
             vals[i] = tuple(vals[i])
         vals = tuple(vals)
     # -0.0 == 0.0: the signs of the float arguments, in order
     signs = tuple(map(math.copysign, _ONES, compress(vals, map(is_, types, _FLOATS)))) if float in kinds else ()
-    return (api, decode_only, is_strict(), tuple(aliases.items()) if aliases else (), qkv, tuple(rest), types,
+    return (api, decode_only, is_strict(), tuple(aliases.items()) if aliases else (), metas, tuple(rest), types,
             vals, signs)
 
 
-def _only_qkv(p: AttentionProblem) -> bool:
+def _rebuildable(p: AttentionProblem) -> bool:
     """The problem's tensors are the canonical views of query, key and value and nothing else (what
     `recall` rebuilds); always so for a call without other tensors, checked so the memo cannot drift."""
-    return p.kv.kind in ("dense", "packed") and p.kv.key_rope is None and p.mask.user_mask is None and all(
-        x is None for x in (p.query_rope, p.pse, p.prefix, p.antiquant, p.full_quant, p.query_dequant,
-                            p.out_quant, p.sink))
+    return (p.kv.kind in ("dense", "packed") and p.kv.key_rope is None and p.mask.user_mask is None
+            and p.query_rope is None and p.pse is None and p.prefix is None and p.antiquant is None
+            and p.full_quant is None and p.query_dequant is None and p.out_quant is None and p.sink is None)
 
 
 def recall(sig: tuple, a: dict) -> Optional[AttentionProblem]:
-    """The stored problem of `sig` over this call's tensors, or None."""
-    p = _MEMO.get(sig)
+    """The stored problem of `sig` over this call's tensors, or None (unknown, or parsed every time)."""
+    global _since_hit
+    hit = _MEMO.get(sig)
+    if hit is None:
+        return None
+    _since_hit = 0
+    p, kv_type, _ = hit
     if p is None:
         return None
     inp = p.layout.inp
-    kv = type(p.kv)(to_canonical(a["key"], inp, p.KV_N), to_canonical(a["value"], inp, p.KV_N))
+    kv = kv_type(to_canonical(a["key"], inp, p.KV_N), to_canonical(a["value"], inp, p.KV_N))
     return p.evolve(query=to_canonical(a["query"], inp, p.N), kv=kv)
 
 
 def remember(sig: tuple, p: AttentionProblem) -> AttentionProblem:
-    """Store a freshly parsed problem under `sig` (without its tensors: the memo keeps no data alive);
-    returns it with its memo_key."""
-    if not _only_qkv(p):
+    """A freshly parsed problem with its memo_key (None until the signature is stored). A signature is
+    stored the second time it is parsed, with the problem without its tensors when `recall` can rebuild it
+    (the memo keeps no data alive).
+
+    A stream of one-off signatures -- a decode loop whose KV lengths grow every step -- then only pays for
+    the signature: storing it, and the backends' plans keyed on it, would cost more than it returns."""
+    known = _MEMO.get(sig)
+    if known is not None:                         # a paged call: parsed every time, its memo_key kept
+        return p.evolve(memo_key=known[2])
+    h = hash(sig)
+    if h not in _SEEN:
+        if len(_SEEN) >= _MAX_SEEN:
+            _SEEN.clear()
+        _SEEN.add(h)
         return p
     if len(_MEMO) >= _MAX:
         _MEMO.clear()
-    p = p.evolve(memo_key=next(_KEYS))
-    _MEMO[sig] = p.evolve(query=None, kv=type(p.kv)(None, None))
-    return p
+    key = next(_KEYS)
+    template = p.evolve(query=None, kv=None, memo_key=key) if _rebuildable(p) else None
+    _MEMO[sig] = (template, type(p.kv), key)
+    return p.evolve(memo_key=key)
