@@ -1,6 +1,7 @@
 """The parse memo (fia/parse/memo.py) and the memoized backend choice: a call that only differs in what the
 memo must not conflate (types, float signs, validation mode, tensor metadata) parses as if it were new."""
 import gc
+import itertools
 import weakref
 
 import pytest
@@ -13,6 +14,7 @@ from fia.errors import FiaInputError
 from fia.parse import core, memo
 
 B, N, KV_N, S, D = 2, 4, 2, 16, 32
+FRESH = itertools.count(1000)          # scales no other call used: one-off signatures
 
 
 @pytest.fixture(autouse=True)
@@ -64,16 +66,20 @@ def test_recalled_problem_equals_a_full_parse(layout):
     assert again.query.data_ptr() == a["query"].data_ptr() and again.kv.key.data_ptr() == a["key"].data_ptr()
 
 
-def test_one_off_signatures_are_probed_only(monkeypatch):
+def test_lookups_that_do_not_pay_off_only_probe(monkeypatch):
+    monkeypatch.setattr(memo, "_TRIAL", 4)
+    monkeypatch.setattr(memo, "_debt", 0)
+    monkeypatch.setattr(memo, "_calls", 0)
     a = call_args()
     parse(a)                                              # stored
-    monkeypatch.setattr(memo, "_TRIAL", 4)
-    monkeypatch.setattr(memo, "_since_hit", 0)
-    tried = [memo.wanted() for _ in range(4 + 3 * memo._PROBE)]
-    assert tried[:4] == [True] * 4 and sum(tried[4:]) == 3
+    for _ in range(4):                                    # 4 one-off signatures: misses
+        core.parse_fused(call_args(scale=float(next(FRESH))))
+    assert memo._debt == 4
+    tried = [memo._wanted() for _ in range(3 * memo._PROBE)]
+    assert sum(tried) == 3
     for _ in range(memo._PROBE):
-        core.parse_fused(dict(a))                         # the probe among these hits: every call tries again
-    assert all(memo.wanted() for _ in range(4))
+        core.parse_fused(dict(a))                         # the probe among these hits: lookups resume
+    assert memo._debt < 4 and all(memo._wanted() for _ in range(memo._PROBE))
 
 
 def test_a_signature_is_stored_the_second_time():

@@ -262,6 +262,7 @@ class _Launch(NamedTuple):
 
 
 class _Plan(NamedTuple):
+    """Everything of a call that follows from metadata (see _run); arrays only read by the kernels."""
     fp: np.ndarray          # [scale] float64
     geo: np.ndarray         # [GEO_LEN, B]
     W: int                  # own-key work entries

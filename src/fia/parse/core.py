@@ -27,11 +27,12 @@ def parse_fused(a: dict, api: str = "npu_fused_infer_attention_score", aliases: 
                 *, decode_only: bool = False) -> AttentionProblem:
     """Arguments -> problem. A call whose only tensors are query, key and value is fully parsed once per
     signature of its metadata; later calls with the same signature re-view their tensors (parse/memo.py)."""
-    sig = memo.signature(a, api, aliases, decode_only) if memo.wanted() else None
-    if sig is None:
-        return _parse(a, api, aliases, decode_only)
-    p = memo.recall(sig, a)
-    return p if p is not None else memo.remember(sig, _parse(a, api, aliases, decode_only))
+    sig, p = memo.lookup(a, api, aliases, decode_only)
+    if p is None:
+        p = _parse(a, api, aliases, decode_only)
+        if sig is not None:
+            p = memo.remember(sig, p)
+    return p
 
 
 def _parse(a: dict, api: str, aliases: Optional[dict], decode_only: bool) -> AttentionProblem:

@@ -4,7 +4,7 @@ A call whose tensors are query, key and value only gives parse nothing to read b
 dtype, shape, strides and device, and the values and types of the other arguments (ints, floats, strings,
 bools, None, lists of ints), plus the entry point and the validation mode. Equal metadata therefore parse
 to the same problem over other tensors, so the full parse (~30-40 us, issue 7's small call) runs once per
-signature and later calls only re-view their tensors (`recall`). Only successful parses are stored: an
+signature and later calls only re-view their tensors (`lookup`). Only successful parses are stored: an
 invalid call never has a stored signature and always runs the full parse, with its own error.
 
 A paged call (a block table besides them) still runs the full parse every time: the block ids are data,
@@ -42,8 +42,11 @@ _MEMO: dict = {}             # signature -> (problem without its tensors or None
 _KEYS = count()              # memo_keys
 _SEEN: set = set()           # hashes of the signatures parsed once (admission: stored the second time)
 _MAX_SEEN = 4096
-_TRIAL, _PROBE = 64, 8       # after _TRIAL calls without a hit, only one call in _PROBE computes its signature
-_since_hit = 0               # calls since the last hit
+# lookups: misses - _HIT_CREDIT x hits (>= 0). From _TRIAL on (a third of the lookups or fewer hit) only one
+# call in _PROBE looks up its signature
+_TRIAL, _PROBE, _HIT_CREDIT = 64, 8, 2
+_debt = 0
+_calls = 0
 
 
 def _meta(t: torch.Tensor):
@@ -53,13 +56,30 @@ def _meta(t: torch.Tensor):
     return t.dtype, t.shape, t.stride()
 
 
-def wanted() -> bool:
-    """Whether this call computes its signature. After _TRIAL calls without a hit (a stream of one-off
-    signatures, like a decode loop whose KV lengths grow every step, or calls the memo does not cover) one
-    call in _PROBE does, until one hits again: such a stream pays 1/8 of the signature's ~5 us."""
-    global _since_hit
-    _since_hit += 1
-    return _since_hit <= _TRIAL or _since_hit % _PROBE == 0
+def _wanted() -> bool:
+    """Whether this call looks up its signature: always while lookups pay off. A stream where they do not
+    (one-off signatures, like a decode loop whose KV lengths grow every step; more signatures in turn than
+    the memo holds; calls it does not cover) only probes, one call in _PROBE, and pays ~1/8 of the ~5 us."""
+    global _calls
+    if _debt < _TRIAL:
+        return True
+    _calls += 1
+    return _calls % _PROBE == 0
+
+
+def lookup(a: dict, api: str, aliases: Optional[dict], decode_only: bool):
+    """(signature, problem): the call's signature (None: not looked up or not covered) and its stored
+    problem over the call's tensors (None: parse it, then `remember`)."""
+    global _debt
+    if not _wanted():
+        return None, None
+    sig = signature(a, api, aliases, decode_only)
+    entry = None if sig is None else _MEMO.get(sig)
+    if entry is None:
+        _debt += 1
+        return sig, None
+    _debt = max(0, _debt - _HIT_CREDIT)
+    return sig, _recall(entry, a)
 
 
 def signature(a: dict, api: str, aliases: Optional[dict], decode_only: bool) -> Optional[tuple]:
@@ -93,20 +113,15 @@ def signature(a: dict, api: str, aliases: Optional[dict], decode_only: bool) -> 
 
 def _rebuildable(p: AttentionProblem) -> bool:
     """The problem's tensors are the canonical views of query, key and value and nothing else (what
-    `recall` rebuilds); always so for a call without other tensors, checked so the memo cannot drift."""
+    `_recall` rebuilds); always so for a call without other tensors, checked so the memo cannot drift."""
     return (p.kv.kind in ("dense", "packed") and p.kv.key_rope is None and p.mask.user_mask is None
             and p.query_rope is None and p.pse is None and p.prefix is None and p.antiquant is None
             and p.full_quant is None and p.query_dequant is None and p.out_quant is None and p.sink is None)
 
 
-def recall(sig: tuple, a: dict) -> Optional[AttentionProblem]:
-    """The stored problem of `sig` over this call's tensors, or None (unknown, or parsed every time)."""
-    global _since_hit
-    hit = _MEMO.get(sig)
-    if hit is None:
-        return None
-    _since_hit = 0
-    p, kv_type, _ = hit
+def _recall(entry: tuple, a: dict) -> Optional[AttentionProblem]:
+    """A stored problem over this call's tensors, or None (a problem parsed every time)."""
+    p, kv_type, _ = entry
     if p is None:
         return None
     inp = p.layout.inp
@@ -116,7 +131,7 @@ def recall(sig: tuple, a: dict) -> Optional[AttentionProblem]:
 
 def remember(sig: tuple, p: AttentionProblem) -> AttentionProblem:
     """A freshly parsed problem with its memo_key (None until the signature is stored). A signature is
-    stored the second time it is parsed, with the problem without its tensors when `recall` can rebuild it
+    stored the second time it is parsed, with the problem without its tensors when `_recall` can rebuild it
     (the memo keeps no data alive).
 
     A stream of one-off signatures -- a decode loop whose KV lengths grow every step -- then only pays for
