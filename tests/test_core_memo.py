@@ -80,6 +80,9 @@ def test_lookups_that_do_not_pay_off_only_probe(monkeypatch):
     for _ in range(memo._PROBE):
         core.parse_fused(dict(a))                         # the probe among these hits: lookups resume
     assert memo._debt < 4 and all(memo._wanted() for _ in range(memo._PROBE))
+    for _ in range(100):
+        core.parse_fused(call_args(scale=float(next(FRESH))))
+    assert memo._debt <= 2 * memo._TRIAL                 # capped: recovery takes a few probes, not 50
 
 
 def test_a_signature_is_stored_the_second_time():

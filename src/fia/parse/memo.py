@@ -42,7 +42,7 @@ _MEMO: dict = {}             # signature -> (problem without its tensors or None
 _KEYS = count()              # memo_keys
 _SEEN: set = set()           # hashes of the signatures parsed once (admission: stored the second time)
 _MAX_SEEN = 4096
-# lookups: misses - _HIT_CREDIT x hits (>= 0). From _TRIAL on (a third of the lookups or fewer hit) only one
+# lookups: misses - _HIT_CREDIT x hits, in [0, 2 _TRIAL]. From _TRIAL on (a third of the lookups or fewer hit) only one
 # call in _PROBE looks up its signature
 _TRIAL, _PROBE, _HIT_CREDIT = 64, 8, 2
 _debt = 0
@@ -76,7 +76,7 @@ def lookup(a: dict, api: str, aliases: Optional[dict], decode_only: bool):
     sig = signature(a, api, aliases, decode_only)
     entry = None if sig is None else _MEMO.get(sig)
     if entry is None:
-        _debt += 1
+        _debt = min(_debt + 1, 2 * _TRIAL)      # (capped: a long miss streak must not delay a recovery)
         return sig, None
     _debt = max(0, _debt - _HIT_CREDIT)
     return sig, _recall(entry, a)
