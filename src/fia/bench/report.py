@@ -50,7 +50,7 @@ def ceilings_lines(c: dict) -> list[str]:
     mm = ", ".join(f"{k} {v:.3g} TFLOP/s (n={c['mm_n'][k]})" for k, v in c["mm_tflops"].items())
     return [f"CPU {c['cpu']} ({c['cpu_capability']}), {c['threads']} torch threads, torch {c['torch_version']}, "
             f"OMP_WAIT_POLICY {c.get('omp_wait_policy', 'unset')}",
-            f"read bandwidth {c['read_gbps']:.1f} GB/s (x.sum); cross-check: copy {c['copy_gbps']:.1f} GB/s "
+            f"read bandwidth {c['read_gbps']:.1f} GB/s (x.sum, median of 9); cross-check: copy {c['copy_gbps']:.1f} GB/s "
             f"(read+write), {100 * (c['copy_gbps'] / c['read_gbps'] - 1):+.0f}%",
             f"matmul: {mm}"] + (["(each the better of a measurement before and after the cases)"]
                                 if "before" in c else [])
