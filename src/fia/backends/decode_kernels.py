@@ -3,8 +3,16 @@
 CPU only. Everything accumulates in float32. Half-precision data is read in place as uint16 bit
 patterns (numba has no float16): bf16 -> f32 is `bits << 16`; fp16 -> f32 is the bit-level widening
 below (subnormals, inf and nan included). int8 is widened, int4 (eight nibbles per int32, low nibble
-first, SPEC 10.4) is unpacked per row. Nothing is converted or copied ahead of the loop: each key row
-is converted into a small float32 chunk buffer that stays in L1, used, and overwritten.
+first, SPEC 10.4) is unpacked per row. Nothing is converted or copied ahead of the loop.
+
+Which inner loops run QK and PV (chosen per item, see `_item`):
+* bf16 K / V on CPUs with AVX512-BF16: decode_simd.qk_dp / pv_dp (bf16 dot products, LLVM IR);
+* other bf16 / fp16 / int8 K / V with head dims that are multiples of 16: decode_fma.qk_fma / pv_fma
+  (widened in registers, float32 FMAs, LLVM IR). Both read rows front to back and prefetch the other
+  stream (docs/PERF_DECODE.md item 17);
+* the rest (float32, int4, MLA rope, other head dims; the "generic" build): the numba loops below, which
+  widen each row into a small float32 chunk buffer (load_rows + qk_block / pv_block) or straight from the
+  cache (qk_fused / pv_fused).
 
 Work item = (work entry w, KV head h): query group i = work_i[w] (one batch, or a group of batches
 for the shared prefix), its R = G * Q_S rows of KV head h, keys at positions [work_lo[w], work_hi[w])
