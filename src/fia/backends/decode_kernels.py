@@ -760,12 +760,12 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
         if kt_mode != 0:
             for r in range(R):
                 qsr = qs[r]
-                for c in range(n):
+                for c in range(n_):
                     s[r, c] = (s[r, c] + tok[c] * qsr) * tsk[c]
         elif kc_mode == 2:
             for r in range(R):
                 qar = qa[r]
-                for c in range(n):
+                for c in range(n_):
                     s[r, c] += qar
         if pse_kind >= 0:
             sk = np.uint64(ip[IP_PSE_K])
@@ -811,11 +811,11 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
         # ---- V chunk -> acc
         if vt_mode != 0:
             for r in range(R):
-                for c in range(n):
+                for c in range(n_):
                     s[r, c] *= tsv[c]
                 if vt_mode == 2:
                     t = np.float32(0.0)
-                    for c in range(n):
+                    for c in range(n_):
                         t += s[r, c] * tov[c]
                     vx[r] += t
         if dp_pv or fma_pv or generic is None:
