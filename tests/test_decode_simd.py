@@ -54,7 +54,7 @@ def _once(request):
         pytest.skip("kernel tests run once, under be=decode")
 
 
-MODES = [False] + ([True] if S._host_has_dp() else [])
+MODES = [False] + ([True] if S._HOST_DP else [])
 
 
 @pytest.fixture(scope="module", params=MODES, ids=lambda m: "native" if m else "emulated")
@@ -133,16 +133,36 @@ KINDS = {"bf16": (FM.KIND_BF16, torch.bfloat16), "fp16": (FM.KIND_FP16, torch.fl
          "int8": (FM.KIND_I8, torch.int8)}
 
 
-@njit
-def _qk_fma(q, kbuf, kind, offs, n, s, R, D, xbuf, xoffs, xn, xrow, xes):
-    FM.qk_fma(q.ctypes.data, q.shape[1] * 4, kbuf.ctypes.data, kind, offs.ctypes.data, n, s.ctypes.data,
-              s.shape[1], R, D, xbuf.ctypes.data, xoffs.ctypes.data, xn, xrow, xes)
+def _fma_kernels(f16c: bool):
+    """Fresh (uncached) wrappers compiled with fp16 widened by F16C or by integer arithmetic."""
+    saved = FM.F16C
+    FM.F16C = f16c
+    try:
+        @njit
+        def qk(q, kbuf, kind, offs, n, s, R, D, xbuf, xoffs, xn, xrow, xes):
+            FM.qk_fma(q.ctypes.data, q.shape[1] * 4, kbuf.ctypes.data, kind, offs.ctypes.data, n, s.ctypes.data,
+                      s.shape[1], R, D, xbuf.ctypes.data, xoffs.ctypes.data, xn, xrow, xes)
+
+        @njit
+        def pv(p, vbuf, kind, offs, n, acc, R, Dv, xbuf, xoffs, xn, xrow, xes):
+            FM.pv_fma(p.ctypes.data, p.shape[1] * 4, vbuf.ctypes.data, kind, offs.ctypes.data, n,
+                      acc.ctypes.data, acc.shape[1], R, Dv, xbuf.ctypes.data, xoffs.ctypes.data, xn, xrow, xes)
+
+        buf = np.zeros(64, np.uint8)
+        offs = np.zeros(2, np.int64)
+        qk(np.zeros((1, 16), np.float32), buf, 2, offs, 1, np.zeros((1, 2), np.float32), 1, 16, buf, offs, 1, 16, 2)
+        pv(np.zeros((1, 2), np.float32), buf, 2, offs, 1, np.zeros((1, 16), np.float32), 1, 16, buf, offs, 1, 16, 2)
+    finally:
+        FM.F16C = saved
+    return qk, pv
 
 
-@njit
-def _pv_fma(p, vbuf, kind, offs, n, acc, R, Dv, xbuf, xoffs, xn, xrow, xes):
-    FM.pv_fma(p.ctypes.data, p.shape[1] * 4, vbuf.ctypes.data, kind, offs.ctypes.data, n, acc.ctypes.data,
-              acc.shape[1], R, Dv, xbuf.ctypes.data, xoffs.ctypes.data, xn, xrow, xes)
+F16C_MODES = [False] + ([True] if FM.F16C else [])
+
+
+@pytest.fixture(scope="module", params=F16C_MODES, ids=lambda m: "f16c" if m else "f16-bits")
+def fma_kernels(request):
+    return _fma_kernels(request.param)
 
 
 def _pool(kind, rows, d, g):
@@ -158,7 +178,8 @@ def _pool(kind, rows, d, g):
 @pytest.mark.parametrize("R", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("n", [1, 3, 4, 13, 64])
 @pytest.mark.parametrize("D", [16, 48, 64, 128, 256])
-def test_qk_fma(kind, R, n, D):
+def test_qk_fma(fma_kernels, kind, R, n, D):
+    _qk_fma = fma_kernels[0]
     g = torch.Generator().manual_seed(R * 1000 + n * 10 + D + len(kind))
     q = torch.randn(R, D, generator=g, dtype=torch.float32)
     pool, buf = _pool(kind, 3 * n + 5, D, g)
@@ -176,7 +197,8 @@ def test_qk_fma(kind, R, n, D):
 @pytest.mark.parametrize("R", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("n", [1, 2, 13, 64])
 @pytest.mark.parametrize("Dv", [16, 48, 64, 128, 192, 256])
-def test_pv_fma(kind, R, n, Dv):
+def test_pv_fma(fma_kernels, kind, R, n, Dv):
+    _pv_fma = fma_kernels[1]
     g = torch.Generator().manual_seed(R * 1000 + n * 10 + Dv + 3 * len(kind))
     p = torch.rand(R, n + 3, generator=g, dtype=torch.float32)
     p[:, n:] = float("nan")                                 # weights past the keys: never read
@@ -191,3 +213,44 @@ def test_pv_fma(kind, R, n, Dv):
     ref = acc0[:, :Dv] + (p[:, :n].double() @ pool[rows].double()).numpy()
     np.testing.assert_allclose(acc[:, :Dv], ref, rtol=1e-5, atol=1e-3)
     assert np.isnan(acc[:, Dv:]).all()
+
+
+def test_fp16_bits_widening_exact(fma_kernels):
+    """Every fp16 bit pattern (normals, subnormals, zeros, inf, nan) widens exactly, by either method."""
+    qk, _ = fma_kernels
+    bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)           # one key per 16 patterns
+    vals = torch.from_numpy(bits.view(np.int16)).view(torch.float16).float().reshape(4096, 16)
+    buf = bits.view(np.uint8)
+    offs = (np.arange(4096) * 16).astype(np.int64)
+    for lane in range(16):                                             # score = the lane's value
+        q = np.zeros((1, 16), np.float32)
+        q[0, lane] = 1.0
+        s = np.zeros((1, 4096), np.float32)
+        qk(q, buf, FM.KIND_FP16, offs, 4096, s, 1, 16, buf, offs, 0, 16, 2)
+        want = vals[:, lane].numpy()
+        fin = np.isfinite(want)
+        np.testing.assert_array_equal(s[0, fin], want[fin])
+        assert np.isnan(s[0, np.isnan(want)]).all()
+        assert (np.isinf(s[0, np.isinf(want)]) | np.isnan(s[0, np.isinf(want)])).all()   # inf * 0 adds NaN
+
+
+def test_f32_to_half_software_rounding_matches_torch():
+    """The fp16 output rounding used where the target lacks F16C equals torch's, bit for bit."""
+    from fia.backends import decode_kernels as K
+
+    @njit
+    def conv(a, out):
+        for i in range(a.shape[0]):
+            out[i] = K._f32_to_half_bits_sw(a[i])
+
+    rng = np.random.default_rng(0)
+    bits = np.concatenate([rng.integers(0, 2 ** 32, 400_000, dtype=np.uint64).astype(np.uint32),
+                           np.arange(0x33000000, 0x48000000, 211, dtype=np.uint32)])   # subnormal..overflow
+    bits = np.concatenate([bits, bits | np.uint32(0x80000000)])
+    x = bits.view(np.float32)
+    out = np.empty(x.shape, np.uint16)
+    conv(x, out)
+    ref = torch.from_numpy(x).to(torch.float16).view(torch.int16).numpy().view(np.uint16)
+    nan = np.isnan(x)
+    np.testing.assert_array_equal(out[~nan], ref[~nan])
+    assert np.isnan(out[nan].view(np.float16)).all()

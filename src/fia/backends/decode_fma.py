@@ -15,6 +15,8 @@ D (Dv) % 16 == 0. Same numba-cache note as decode_simd.py.
 """
 from __future__ import annotations
 
+import platform
+
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -22,7 +24,7 @@ from numba.extending import intrinsic
 
 from .decode_simd import (F32, I16, I32, I64, V16F, ZERO16, _c, _first_only, _gep, _hsum_many, _load,
                           _other_stream, _outlined, _prefetch_rows, _ptr, _pv_row_blocks, _qk_blocks, _store,
-                          _switch, _var)
+                          _switch, _var, target_has)
 
 KIND_BF16, KIND_FP16, KIND_I8 = 1, 2, 3       # decode_kernels.KIND_* (the formats these kernels read)
 _V16H = ir.VectorType(ir.HalfType(), 16)
@@ -31,10 +33,31 @@ _V16B = ir.VectorType(ir.IntType(8), 16)
 _V16I = ir.VectorType(I32, 16)
 
 
+F16C = platform.machine().lower() in ("aarch64", "arm64") or target_has("f16c")
+
+
+def _i32s(v):
+    return ir.Constant(_V16I, [v] * 16)
+
+
+def _half_bits_to_f32(b, h):
+    """IEEE half bits <16 x i16> -> <16 x float> by integer arithmetic (targets without F16C, where LLVM
+    would call a runtime helper numba does not link); exact, as decode_kernels._fp16_bits_to_f32."""
+    x = b.zext(h, _V16I)
+    em = b.and_(x, _i32s(0x7FFF))
+    sh = b.shl(em, _i32s(13))
+    f = b.fmul(b.bitcast(sh, V16F), ir.Constant(V16F, [5.192296858534828e33] * 16))   # x 2^112
+    special = b.icmp_unsigned(">=", em, _i32s(0x7C00))                                 # inf / nan
+    f = b.select(special, b.bitcast(b.or_(sh, _i32s(0x7F800000)), V16F), f)
+    sign = b.shl(b.and_(x, _i32s(0x8000)), _i32s(16))
+    return b.bitcast(b.or_(b.bitcast(f, _V16I), sign), V16F)
+
+
 def _widen(b, p, kind: int):
     """16 elements at byte pointer p as <16 x float>."""
     if kind == KIND_FP16:
-        return b.fpext(b.bitcast(_load(b, p, _V16S), _V16H), V16F)
+        h = _load(b, p, _V16S)
+        return b.fpext(b.bitcast(h, _V16H), V16F) if F16C else _half_bits_to_f32(b, h)
     if kind == KIND_I8:
         return b.sitofp(b.sext(_load(b, p, _V16B), _V16I), V16F)
     x = b.zext(_load(b, p, _V16S), _V16I)                   # bf16: the high half of a float32

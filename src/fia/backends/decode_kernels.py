@@ -37,7 +37,7 @@ from numba import carray, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .decode_fma import pv_fma, qk_fma
+from .decode_fma import F16C, pv_fma, qk_fma
 from .decode_simd import HAS_DP, pv_dp, qk_dp
 
 # ip[IP_DP] of a call (kernel choice): the bf16 dp kernels where the CPU has AVX512-BF16 (decode_simd.HAS_DP),
@@ -148,19 +148,7 @@ def _half_bits_to_f32(typingctx, x):
     return sig, codegen
 
 
-def _has_f16c() -> bool:
-    try:
-        import platform
-
-        from llvmlite import binding as llvm
-        if platform.machine().lower() in ("aarch64", "arm64"):
-            return True                                  # native half conversions
-        return bool(llvm.get_host_cpu_features().get("f16c", False))
-    except Exception:  # pragma: no cover
-        return False
-
-
-HAVE_F16C = _has_f16c()
+HAVE_F16C = F16C           # hardware fp16 -> f32 (decode_fma: native on arm64, F16C on x86)
 
 
 @njit(fastmath=FM, cache=True, inline="always")
@@ -193,6 +181,33 @@ def _f32_to_half_bits(typingctx, x):
     def codegen(context, builder, signature, args):
         return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
     return sig, codegen
+
+
+@njit(fastmath=FM, cache=True, inline="always")
+def _f32_to_half_bits_sw(x):
+    """float32 -> IEEE half bits, round to nearest even, by integer arithmetic (targets without F16C, where
+    LLVM's fptrunc calls a runtime helper numba does not link). F. Giesen's float_to_half_fast3_rtne:
+    overflow -> inf, NaN -> quiet NaN, subnormals through one float add of a magic number."""
+    u = _f32_as_u32(x)
+    sign = (u >> np.uint32(16)) & np.uint32(0x8000)
+    a = u & np.uint32(0x7FFFFFFF)
+    if a >= np.uint32(0x47800000):                       # >= 65536: inf, or NaN
+        o = np.uint32(0x7E00) if a > np.uint32(0x7F800000) else np.uint32(0x7C00)
+    elif a < np.uint32(0x38800000):                      # below 2^-14: subnormal half or zero
+        magic = np.uint32(0x3F000000)                    # ((127 - 15) + (23 - 10) + 1) << 23
+        o = _f32_as_u32(_u32_as_f32(a) + _u32_as_f32(magic)) - magic
+    else:
+        odd = (a >> np.uint32(13)) & np.uint32(1)
+        o = (a + np.uint32(0xC8000FFF) + odd) >> np.uint32(13)   # rebias exponent (-112 << 23), round
+    return np.uint16(o | sign)
+
+
+@njit(fastmath=FM, cache=True, inline="always")
+def _f32_to_half_bits_hw(x):
+    return _f32_to_half_bits(x)
+
+
+f32_to_half_bits = _f32_to_half_bits_hw if HAVE_F16C else _f32_to_half_bits_sw
 
 
 @njit(fastmath=FM, cache=True, inline="always")
@@ -1086,4 +1101,4 @@ def _store(of, oh, okind, ob, o, Dv):
             oh[ob + d] = f32_to_bf16_bits(o[d])
     else:
         for d in range(Dv):
-            oh[ob + d] = _f32_to_half_bits(o[d])
+            oh[ob + d] = f32_to_half_bits(o[d])

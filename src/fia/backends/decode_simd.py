@@ -32,16 +32,25 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 
-def _host_has_dp() -> bool:
+def target_has(*features: str) -> bool:
+    """Whether numba compiles for a CPU with all these LLVM x86 features: the host's, or the ones numba was
+    told to target (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES, e.g. for portable caches), where emitting an
+    instruction the target lacks fails to compile (or needs runtime helpers numba does not link)."""
     try:
+        from numba.core import config
+        if config.CPU_FEATURES is not None:
+            feats = config.CPU_FEATURES.split(",")
+            return all("+" + f in feats for f in features)
+        if config.CPU_NAME not in (None, "host"):
+            return False
         import llvmlite.binding as llvm
-        f = llvm.get_host_cpu_features()
-        return bool(f.get("avx512bf16")) and bool(f.get("avx512f"))
+        host = llvm.get_host_cpu_features()
+        return all(bool(host.get(f)) for f in features)
     except Exception:  # pragma: no cover - llvmlite without feature query
         return False
 
 
-_HOST_DP = _host_has_dp()
+_HOST_DP = target_has("avx512bf16", "avx512f")
 # FIA_DECODE_DP: "0" never use the dp kernels, "1" always (emulated where the CPU lacks the instruction),
 # unset: where the CPU has it
 HAS_DP = {"0": False, "1": True}.get(os.environ.get("FIA_DECODE_DP", ""), _HOST_DP)
