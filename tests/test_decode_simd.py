@@ -9,6 +9,8 @@ weight of an odd key count is poisoned (must be ignored), keys are read through 
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -19,11 +21,20 @@ from numba import njit  # noqa: E402
 from fia.backends import decode_simd as S  # noqa: E402
 
 
-def _kernels(native: bool):
-    """Fresh (uncached) numba wrappers compiled with the native instruction or the emulation."""
-    saved = S._HOST_DP
-    S._HOST_DP = native
+@contextlib.contextmanager
+def _compiling_with(module, name, value):
+    """module.name = value while fresh (uncached) wrappers are compiled: the flag decides the emitted IR."""
+    saved = getattr(module, name)
+    setattr(module, name, value)
     try:
+        yield
+    finally:
+        setattr(module, name, saved)
+
+
+def _kernels(native: bool):
+    """Fresh numba wrappers compiled with the native instruction or the emulation."""
+    with _compiling_with(S, "_HOST_DP", native):
         @njit
         def qk(q, kbuf, offs, n, s, R, D, scale, xbuf, xoffs, xn, xrow, xes):
             S.qk_dp(q.ctypes.data, q.shape[1] * 2, kbuf.ctypes.data, offs.ctypes.data, n, s.ctypes.data,
@@ -40,8 +51,6 @@ def _kernels(native: bool):
         offs = np.zeros(2, np.int64)
         qk(one16, buf, offs, 1, np.zeros((1, 2), np.float32), 1, 32, np.float32(1), buf, offs, 1, 32, 2)
         pv(np.zeros((1, 4), np.uint16), buf, offs, 1, np.zeros((1, 64), np.float32), 1, 64, buf, offs, 1, 64, 2)
-    finally:
-        S._HOST_DP = saved
     return qk, pv
 
 
@@ -134,10 +143,8 @@ KINDS = {"bf16": (FM.KIND_BF16, torch.bfloat16), "fp16": (FM.KIND_FP16, torch.fl
 
 
 def _fma_kernels(f16c: bool):
-    """Fresh (uncached) wrappers compiled with fp16 widened by F16C or by integer arithmetic."""
-    saved = FM.F16C
-    FM.F16C = f16c
-    try:
+    """Fresh wrappers compiled with fp16 widened by F16C or by integer arithmetic."""
+    with _compiling_with(FM, "F16C", f16c):
         @njit
         def qk(q, kbuf, kind, offs, n, s, R, D, xbuf, xoffs, xn, xrow, xes):
             FM.qk_fma(q.ctypes.data, q.shape[1] * 4, kbuf.ctypes.data, kind, offs.ctypes.data, n, s.ctypes.data,
@@ -152,8 +159,6 @@ def _fma_kernels(f16c: bool):
         offs = np.zeros(2, np.int64)
         qk(np.zeros((1, 16), np.float32), buf, 2, offs, 1, np.zeros((1, 2), np.float32), 1, 16, buf, offs, 1, 16, 2)
         pv(np.zeros((1, 2), np.float32), buf, 2, offs, 1, np.zeros((1, 16), np.float32), 1, 16, buf, offs, 1, 16, 2)
-    finally:
-        FM.F16C = saved
     return qk, pv
 
 
