@@ -22,11 +22,10 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .decode_simd import (F32, I16, I32, I64, V16F, ZERO16, _c, _first_only, _gep, _hsum_many, _load,
-                          _other_stream, _outlined, _prefetch_rows, _ptr, _pv_row_blocks, _qk_blocks, _store,
-                          _switch, _var, target_has)
+from .decode_simd import (F32, I16, I32, I64, KIND_BF16, KIND_FP16, KIND_I8, V16F, ZERO16, _c, _first_only, _gep,
+                          _hsum_many, _load, _other_stream, _outlined, _prefetch_rows, _ptr, _pv_row_blocks,
+                          _qk_blocks, _store, _switch, _var, target_has)
 
-KIND_BF16, KIND_FP16, KIND_I8 = 1, 2, 3       # decode_kernels.KIND_* (the formats these kernels read)
 _V16H = ir.VectorType(ir.HalfType(), 16)
 _V16S = ir.VectorType(I16, 16)
 _V16B = ir.VectorType(ir.IntType(8), 16)

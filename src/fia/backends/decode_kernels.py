@@ -38,7 +38,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from .decode_fma import F16C, pv_fma, qk_fma
-from .decode_simd import HAS_DP, pv_dp, qk_dp
+from .decode_simd import HAS_DP, KIND_BF16, KIND_F32, KIND_FP16, KIND_I4, KIND_I8, pv_dp, qk_dp
 
 # ip[IP_DP] of a call (kernel choice): the bf16 dp kernels where the CPU has AVX512-BF16 (decode_simd.HAS_DP),
 # the other stream prefetched by the IR kernels. (bf16 / fp16 / int8 K and V that the dp kernels do not take
@@ -50,8 +50,6 @@ DP_FLAGS = (DP_QK | DP_PV if HAS_DP else 0) | DP_PREFETCH
 FM = {"reassoc", "contract", "nsz", "arcp"}
 MASK_FILL = np.float32(-1e12)
 
-# element kinds of a buffer (every buffer reaches the kernels as bytes)
-KIND_F32, KIND_BF16, KIND_FP16, KIND_I8, KIND_I4 = 0, 1, 2, 3, 4
 
 # ---------------------------------------------------------------------------------------------- ip layout
 (IP_R0, IP_BPG, IP_R, IP_B, IP_G, IP_QS, IP_H, IP_D, IP_DR, IP_DV, IP_C, IP_BS) = (
@@ -148,9 +146,6 @@ def _half_bits_to_f32(typingctx, x):
     return sig, codegen
 
 
-HAVE_F16C = F16C           # hardware fp16 -> f32 (decode_fma: native on arm64, F16C on x86)
-
-
 @njit(fastmath=FM, cache=True, inline="always")
 def _fp16_bits_to_f32(h):
     """IEEE half bits -> float32 by integer arithmetic (CPUs without F16C), exact for normals,
@@ -170,7 +165,7 @@ def _fp16_hw_to_f32(h):
     return _half_bits_to_f32(np.uint16(h))
 
 
-fp16_to_f32 = _fp16_hw_to_f32 if HAVE_F16C else _fp16_bits_to_f32
+fp16_to_f32 = _fp16_hw_to_f32 if F16C else _fp16_bits_to_f32
 
 
 @intrinsic
@@ -207,7 +202,7 @@ def _f32_to_half_bits_hw(x):
     return _f32_to_half_bits(x)
 
 
-f32_to_half_bits = _f32_to_half_bits_hw if HAVE_F16C else _f32_to_half_bits_sw
+f32_to_half_bits = _f32_to_half_bits_hw if F16C else _f32_to_half_bits_sw
 
 
 @njit(fastmath=FM, cache=True, inline="always")
@@ -588,21 +583,16 @@ def row_offsets(tbl, i, c0, n, bs, s_blk, base, s_s, dst):
 
 
 @njit(fastmath=FM, cache=True)
-def token_scales(tbl, i, h, c0, n, tb, s_blk, s_h, s_s, mode, sc, off, dst_s, dst_o):
+def token_scales(tbl, i, h, c0, n, tb, s_blk, s_h, s_s, mode, sc, off, dst_s, dst_o, toff):
     """Per-token dequant factors of the chunk's keys [c0, c0 + n) of query group i, KV head h: scale into
     dst_s (and offset into dst_o when mode == 2). Token p's factor is element tbl[i, p // tb] * s_blk +
-    h * s_h + (p % tb) * s_s (by batch, or by paged block: the same addressing as the keys)."""
-    bi = c0 // tb
-    sl = c0 - bi * tb
+    h * s_h + (p % tb) * s_s (by batch, or by paged block: the same addressing as the keys, row_offsets;
+    toff: scratch for the element offsets)."""
+    row_offsets(tbl, i, c0, n, tb, s_blk, h * s_h, s_s, toff)
     for c in range(n):
-        o = tbl[i, bi] * s_blk + h * s_h + sl * s_s
-        dst_s[c] = sc[o]
+        dst_s[c] = sc[toff[c]]
         if mode == 2:
-            dst_o[c] = off[o]
-        sl += 1
-        if sl == tb:
-            sl = 0
-            bi += 1
+            dst_o[c] = off[toff[c]]
 
 
 @njit(fastmath=FM, cache=True)
@@ -747,13 +737,13 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
             row_offsets(tbl, i, c0, n, bs, r_blk, h * r_h, r_s, roff)
         if kt_mode != 0:
             token_scales(kt_tbl, i, h, c0, n, ip[IP_KT_BS], ip[IP_KT_BLK], ip[IP_KT_H], ip[IP_KT_S], kt_mode,
-                         kts, kto, tsk, tok)
+                         kts, kto, tsk, tok, knext)
         if vt_mode != 0:
             token_scales(vt_tbl, i, h, c0, n, ip[IP_VT_BS], ip[IP_VT_BLK], ip[IP_VT_H], ip[IP_VT_S], vt_mode,
-                         vts, vto, tsv, tov)
+                         vts, vto, tsv, tov, knext)
         # ---- K chunk -> scores (the softmax scale is folded into q)
         if dp_qk:
-            # V rows of the same keys are requested on the way (bf16 V: the offsets count 2-byte elements)
+            # V rows of the same keys are requested on the way
             qk_dp(q2.ctypes.data, q2.shape[1] * 2, kbuf.ctypes.data, koff.ctypes.data, n, s.ctypes.data,
                   s.shape[1], R, D, scale, vbuf.ctypes.data, voff.ctypes.data, n if pf else 0, v_row, v_es)
         elif fma_qk or generic is None:
@@ -908,7 +898,8 @@ def attend_items(items, counter, ip, fp, geo, work, tbl, bufs, kchan, kt_tbl, vt
     tov = np.zeros(C, np.float32)
     q2 = np.zeros((R, dq), np.uint16)           # bf16 query bits of the dp kernels
     p2 = np.zeros((R, C + 2), np.uint16)        # bf16 probabilities (pv_dp reads pairs: one spare column)
-    knext = np.zeros(C, np.int64)               # the next chunk's K row offsets (prefetched during PV)
+    # int64 scratch, per chunk: first token_scales' offsets, then the next chunk's K rows (prefetched during PV)
+    knext = np.zeros(C, np.int64)
     n_items = items.shape[0]
     while True:
         t = _fetch_add(counter, 0, 1)

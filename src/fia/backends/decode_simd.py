@@ -50,6 +50,9 @@ def target_has(*features: str) -> bool:
         return False
 
 
+# element kinds of a buffer (every buffer reaches the kernels as bytes; decode.py passes them in ip)
+KIND_F32, KIND_BF16, KIND_FP16, KIND_I8, KIND_I4 = 0, 1, 2, 3, 4
+
 _HOST_DP = target_has("avx512bf16", "avx512f")
 # FIA_DECODE_DP: "0" never use the dp kernels, "1" always (emulated where the CPU lacks the instruction),
 # unset: where the CPU has it
