@@ -22,9 +22,9 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .decode_simd import (F32, I16, I32, I64, KIND_BF16, KIND_FP16, KIND_I8, V16F, ZERO16, _c, _first_only, _gep,
-                          _hsum_many, _load, _other_stream, _outlined, _prefetch_rows, _ptr, _pv_row_blocks,
-                          _qk_blocks, _store, _switch, _var, target_has)
+from .decode_simd import (F32, I16, I32, I64, KIND_BF16, KIND_FP16, KIND_I8, V16F, ZERO16, _c, _declare,
+                          _first_only, _gep, _hsum_many, _load, _other_stream, _outlined, _prefetch_rows, _ptr,
+                          _pv_row_blocks, _qk_blocks, _store, _switch, _var, target_has)
 
 _V16H = ir.VectorType(ir.HalfType(), 16)
 _V16S = ir.VectorType(I16, 16)
@@ -68,12 +68,7 @@ def _esize(kind: int) -> int:
 
 
 def _fma(b, x, y, acc):
-    mod = b.module
-    name = "llvm.fma.v16f32"
-    fn = mod.globals.get(name)
-    if fn is None:
-        fn = ir.Function(mod, ir.FunctionType(V16F, [V16F, V16F, V16F]), name)
-    return b.call(fn, [x, y, acc])
+    return b.call(_declare(b, "llvm.fma.v16f32", ir.FunctionType(V16F, [V16F, V16F, V16F])), [x, y, acc])
 
 
 # ---------------------------------------------------------------------------------------------- QK

@@ -83,13 +83,16 @@ ZERO16 = ir.Constant(V16F, [0.0] * 16)
 DP_NAME = "llvm.x86.avx512bf16.dpbf16ps.512"
 
 
+def _declare(b, name, fnty):
+    """The LLVM intrinsic `name` of type fnty, declared once in the builder's module."""
+    fn = b.module.globals.get(name)
+    return fn if fn is not None else ir.Function(b.module, fnty, name)
+
+
 def _dp(b: ir.IRBuilder, acc, x, y):
     """acc[l] += x[2l] * y[2l] + x[2l + 1] * y[2l + 1] for bf16 pairs x, y (<16 x i32> or <32 x i16>)."""
     if _HOST_DP:
-        mod = b.module
-        fn = mod.globals.get(DP_NAME)
-        if fn is None:
-            fn = ir.Function(mod, ir.FunctionType(V16F, [V16F, V32B, V32B]), DP_NAME)
+        fn = _declare(b, DP_NAME, ir.FunctionType(V16F, [V16F, V32B, V32B]))
         return b.call(fn, [acc, b.bitcast(x, V32B), b.bitcast(y, V32B)])
     # emulation: the low bf16 of a pair is `dword << 16`, the high one `dword & 0xffff0000`
     xi, yi = b.bitcast(x, V16I), b.bitcast(y, V16I)
@@ -102,10 +105,7 @@ def _dp(b: ir.IRBuilder, acc, x, y):
 
 def _prefetch(b, p):
     """prefetcht1: into L2 (the line is used a whole chunk later, after L1 has turned over)."""
-    mod = b.module
-    fn = mod.globals.get("llvm.prefetch.p0")
-    if fn is None:
-        fn = ir.Function(mod, ir.FunctionType(ir.VoidType(), [I8P, I32, I32, I32]), "llvm.prefetch.p0")
+    fn = _declare(b, "llvm.prefetch.p0", ir.FunctionType(ir.VoidType(), [I8P, I32, I32, I32]))
     b.call(fn, [p, ir.Constant(I32, 0), ir.Constant(I32, 2), ir.Constant(I32, 1)])
 
 
