@@ -22,9 +22,9 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .decode_simd import (F32, I16, I32, I64, KIND_BF16, KIND_FP16, KIND_I8, V16F, ZERO16, _c, _declare,
-                          _first_only, _gep, _hsum_many, _load, _other_stream, _outlined, _prefetch_rows, _ptr,
-                          _pv_row_blocks, _qk_blocks, _store, _switch, _var, target_has)
+from .decode_simd import (F32, I16, I32, I64, KIND_BF16, KIND_FP16, KIND_I8, V16F, ZERO16, QKOp, _c, _declare,
+                          _first_only, _gep, _load, _other_stream, _outlined, _prefetch_rows, _ptr,
+                          _pv_row_blocks, _qk_block, _qk_blocks, _store, _switch, _var, target_has)
 
 _V16H = ir.VectorType(ir.HalfType(), 16)
 _V16S = ir.VectorType(I16, 16)
@@ -72,31 +72,11 @@ def _fma(b, x, y, acc):
 
 
 # ---------------------------------------------------------------------------------------------- QK
-def _qk_block(b, kind, NR, NC, q0, q_rs, kaddr, offp, c, s0, s_rs, nd, ND, x):
-    """Scores of NR float32 query rows (row r at byte q0 + r * q_rs) x NC keys (c ...), nd chunks of 16."""
+def _qk_op(kind: int) -> QKOp:
+    """Float32 query chunks of 16 x widened key chunks of 16, float32 FMAs (decode_simd._qk_block)."""
     es = _esize(kind)
-    accs = [[_var(b, ZERO16) for _ in range(NC)] for _ in range(NR)]
-
-    def chunk(j, kp, k):
-        kv = _widen(b, _gep(b, kp, b.mul(k, _c(16 * es))), kind)
-        for r in range(NR):
-            qv = _load(b, _gep(b, _ptr(b, b.add(q0, b.mul(q_rs, _c(r)))), b.mul(k, _c(64))), V16F, 4)
-            b.store(_fma(b, qv, kv, b.load(accs[r][j])), accs[r][j])
-
-    for j in range(NC):                                      # each key row front to back
-        kp = _gep(b, _ptr(b, kaddr), b.mul(b.load(_gep(b, offp, b.add(c, _c(j)))), _c(es)))
-        if ND is None:
-            with cgutils.for_range(b, nd) as loop:
-                chunk(j, kp, loop.index)
-        else:
-            for k in range(ND):
-                chunk(j, kp, _c(k))
-    _prefetch_rows(b, x, c, NC)
-    sums = _hsum_many(b, [b.load(accs[r][j]) for r in range(NR) for j in range(NC)])
-    for r in range(NR):
-        row = b.add(s0, b.mul(_c(4), b.mul(s_rs, _c(r))))
-        for j in range(NC):
-            _store(b, sums[r * NC + j], _gep(b, _ptr(b, row), b.mul(b.add(c, _c(j)), _c(4))), 4)
+    return QKOp(es, 16 * es, 64, V16F, ZERO16, lambda b, p: _widen(b, p, kind),
+                lambda b, acc, q, k: _fma(b, q, k, acc), lambda b, a: a, lambda b, r, v: v)
 
 
 @intrinsic
@@ -114,8 +94,8 @@ def qk_fma(typingctx, qaddr, q_rs, kaddr, kind, offaddr, n, saddr, s_rs, R, D, x
 
         def emit(kind):
             def variant(ND):
-                _qk_blocks(b, qa, qrs, sa, srs, R_, n_, x, lambda NR, NC, q0, c, s0, xr: _qk_block(
-                    b, kind, NR, NC, q0, qrs, ka, offp, c, s0, srs, nd, ND, xr))
+                _qk_blocks(b, qa, qrs, sa, srs, R_, n_, x, lambda NR, NC, r0, q0, c, s0, xr: _qk_block(
+                    b, _qk_op(kind), NR, NC, q0, qrs, ka, offp, c, s0, srs, nd, ND, xr))
             _switch(b, nd, (8,), variant, None)              # D = 128 straight-line; others a loop
         _switch(b, kd, (KIND_FP16, KIND_I8), emit, KIND_BF16)
 

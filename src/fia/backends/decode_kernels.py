@@ -38,13 +38,15 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from .decode_fma import F16C, pv_fma, qk_fma
-from .decode_simd import HAS_DP, KIND_BF16, KIND_F32, KIND_FP16, KIND_I4, KIND_I8, pv_dp, qk_dp
+from .decode_simd import HAS_DP, KIND_BF16, KIND_F32, KIND_FP16, KIND_I4, KIND_I8, max_f32, pv_dp, qk_dp
+from .decode_vnni import HAS_VNNI, pv_i8, qk_i8
 
 # ip[IP_DP] of a call (kernel choice): the bf16 dp kernels where the CPU has AVX512-BF16 (decode_simd.HAS_DP),
 # the other stream prefetched by the IR kernels. (bf16 / fp16 / int8 K and V that the dp kernels do not take
 # go through the float32 FMA kernels of decode_fma when the head dim is a multiple of 16.)
-DP_QK, DP_PV, DP_PREFETCH = 1, 2, 4
-DP_FLAGS = (DP_QK | DP_PV if HAS_DP else 0) | DP_PREFETCH
+# int8 K / V use the 16-bit integer dot-product kernels of decode_vnni where the CPU has AVX512-VNNI.
+DP_QK, DP_PV, DP_PREFETCH, DP_I8 = 1, 2, 4, 8
+DP_FLAGS = (DP_QK | DP_PV if HAS_DP else 0) | (DP_I8 if HAS_VNNI else 0) | DP_PREFETCH
 
 # fastmath without nnan / ninf: NaN and Inf in the inputs must propagate (SPEC 14)
 FM = {"reassoc", "contract", "nsz", "arcp"}
@@ -519,17 +521,35 @@ def elem_layout(kind, d):
     return 2, d
 
 
+# ---------------------------------------------------------------------------------------------- int16 operands
+@njit(fastmath=FM, cache=True)
+def quant_i16(x, R, n, dst, sc):
+    """dst[r, :n] = x[r, :n] / sc[r] rounded to int16, sc[r] = max |x[r, :n]| / 32767: the integer operand
+    of the decode_vnni kernels (one scale per row; error <= 2^-16 of the row's largest magnitude). Returns
+    False, leaving nothing usable, when x holds a NaN or an infinity: the caller then runs the float32
+    kernels, which propagate them (SPEC 14). Rows of tiny values (max < 1e-30, e.g. subnormal probabilities)
+    are scaled in float64, where the reciprocal does not overflow."""
+    n_ = np.uint64(n)
+    for r in range(R):
+        t = np.float32(0.0)
+        for c in range(n_):
+            t += x[r, c] * np.float32(0.0)                 # NaN for any NaN or infinity
+        if t != np.float32(0.0):
+            return False
+        mx = max_f32(x.ctypes.data + r * x.strides[0], n, np.float32(0.0), 1)
+        sc[r] = np.float32(np.float64(mx) / 32767.0)
+        if mx >= np.float32(1e-30):
+            inv = np.float32(32767.0) / mx
+            for c in range(n_):
+                dst[r, c] = np.int16(np.rint(x[r, c] * inv))
+        else:                                               # float64: 32767 / mx would overflow float32
+            inv64 = 32767.0 / np.float64(mx) if mx > 0 else 0.0
+            for c in range(n_):
+                dst[r, c] = np.int16(np.rint(np.float64(x[r, c]) * inv64))
+    return True
+
+
 # ---------------------------------------------------------------------------------------------- softmax
-@njit(fastmath=FM | {"nnan"}, cache=True)
-def row_max(s, r, n_, mx):
-    """max(mx, s[r, :n_]). `nnan` lets LLVM vectorize the reduction; a NaN score may then be skipped or
-    returned, and either way exp(NaN - max) makes that row's output NaN, as it must be (SPEC 14)."""
-    for c in range(n_):
-        x = s[r, c]
-        mx = x if x > mx else mx
-    return mx
-
-
 @njit(fastmath=FM, cache=True)
 def softmax_chunk(s, R, n, m, ll, vx, acc, Dv, p2, to_bf16):
     """Online softmax of the chunk's scores s[:R, :n] (replaced by exp(s - running max)); the running max
@@ -539,7 +559,7 @@ def softmax_chunk(s, R, n, m, ll, vx, acc, Dv, p2, to_bf16):
     n_ = np.uint64(n)
     for r in range(R):
         mo = m[r]
-        mx = row_max(s, r, n_, mo)
+        mx = max_f32(s.ctypes.data + r * s.strides[0], n, mo, 0)   # NaN scores: see max_f32
         alpha = fexp(mo - mx)
         ls = np.float32(0.0)
         if to_bf16:
@@ -599,7 +619,7 @@ def token_scales(tbl, i, h, c0, n, tb, s_blk, s_h, s_s, mode, sc, off, dst_s, ds
 def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbuf,
           kt_tbl, kts, kto, vt_tbl, vts, vto, pse, mask, po, pm, pl, pany,
           qv, qa, qs, rb, rn, rs, tmp, offs, kf, vf, s, vx, koff, voff, roff, tsk, tok, tsv, tov, q2, p2, knext,
-          generic):
+          isc, generic):
     R0 = ip[IP_R0]
     BPG = ip[IP_BPG]
     R = ip[IP_R]
@@ -647,6 +667,12 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
     dp_pv = (ip[IP_DP] & DP_PV) != 0 and ip[IP_V_KIND] == KIND_BF16 and ip[IP_VT_MODE] == 0 and Dv % 64 == 0
     # float32 FMA kernels (decode_fma) for the other bf16 / fp16 / int8 cases; the build without the generic
     # paths only runs those (decode.py sends head dims that are not multiples of 16 to the generic build)
+    # int16 x int8 dot-product kernels (decode_vnni) for int8 K / V: the query (times the key scales) and the
+    # probabilities quantized to int16 per row (quant_i16; isc[0] / isc[1]: their scales)
+    i8_qk = (ip[IP_DP] & DP_I8) != 0 and ip[IP_K_KIND] == KIND_I8 and Dr == 0 and D % 32 == 0 and D <= 8192
+    i8_pv = (ip[IP_DP] & DP_I8) != 0 and ip[IP_V_KIND] == KIND_I8 and Dv % 64 == 0
+    q2i = q2.view(np.int16)
+    p2i = p2.view(np.int16)
     fma_qk = (not dp_qk and Dr == 0 and D % 16 == 0
               and (ip[IP_K_KIND] == KIND_BF16 or ip[IP_K_KIND] == KIND_FP16 or ip[IP_K_KIND] == KIND_I8))
     fma_pv = (not dp_pv and Dv % 16 == 0
@@ -703,6 +729,8 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
             t += qv[r, d]
         qs[r] = t
 
+    if i8_qk:
+        i8_qk = quant_i16(qv, R, D, q2i, isc[0])
     for r in range(R):
         vx[r] = 0.0
     k_blk = ip[IP_K_BLK]
@@ -746,6 +774,9 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
             # V rows of the same keys are requested on the way
             qk_dp(q2.ctypes.data, q2.shape[1] * 2, kbuf.ctypes.data, koff.ctypes.data, n, s.ctypes.data,
                   s.shape[1], R, D, scale, vbuf.ctypes.data, voff.ctypes.data, n if pf else 0, v_row, v_es)
+        elif i8_qk:
+            qk_i8(q2.ctypes.data, q2.shape[1] * 2, kbuf.ctypes.data, koff.ctypes.data, n, s.ctypes.data,
+                  s.shape[1], R, D, isc.ctypes.data, vbuf.ctypes.data, voff.ctypes.data, n if pf else 0, v_row, v_es)
         elif fma_qk or generic is None:
             # (the build without generic paths: numba prunes every other branch when `generic` is None,
             # which keeps the first-call compile time down)
@@ -823,7 +854,8 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
                     for c in range(n_):
                         t += s[r, c] * tov[c]
                     vx[r] += t
-        if dp_pv or fma_pv or generic is None:
+        use_i8 = i8_pv and quant_i16(s, R, n, p2i, isc[1])
+        if dp_pv or use_i8 or fma_pv or generic is None:
             # the next chunk's K rows are requested on the way
             nn = 0
             if pf and c0 + C < hi:
@@ -832,6 +864,9 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
             if dp_pv:
                 pv_dp(p2.ctypes.data, p2.shape[1] * 2, vbuf.ctypes.data, voff.ctypes.data, n, acc.ctypes.data,
                       Dv, R, Dv, kbuf.ctypes.data, knext.ctypes.data, nn, k_row, k_es)
+            elif use_i8:
+                pv_i8(p2.ctypes.data, p2.shape[1] * 2, vbuf.ctypes.data, voff.ctypes.data, n, acc.ctypes.data,
+                      Dv, R, Dv, isc.ctypes.data + 4 * R, kbuf.ctypes.data, knext.ctypes.data, nn, k_row, k_es)
             else:
                 pv_fma(s.ctypes.data, s.shape[1] * 4, vbuf.ctypes.data, v_kind, voff.ctypes.data, n,
                        acc.ctypes.data, Dv, R, Dv, kbuf.ctypes.data, knext.ctypes.data, nn, k_row, k_es)
@@ -897,7 +932,8 @@ def attend_items(items, counter, ip, fp, geo, work, tbl, bufs, kchan, kt_tbl, vt
     tsv = np.ones(C, np.float32)
     tov = np.zeros(C, np.float32)
     q2 = np.zeros((R, dq), np.uint16)           # bf16 query bits of the dp kernels
-    p2 = np.zeros((R, C + 2), np.uint16)        # bf16 probabilities (pv_dp reads pairs: one spare column)
+    p2 = np.zeros((R, C + 2), np.uint16)        # bf16 / int16 probabilities (pv_dp / pv_i8 read pairs: a spare column)
+    isc = np.zeros((2, R), np.float32)          # the int16 query / probability scales (quant_i16)
     # int64 scratch, per chunk: first token_scales' offsets, then the next chunk's K rows (prefetched during PV)
     knext = np.zeros(C, np.int64)
     n_items = items.shape[0]
@@ -909,7 +945,7 @@ def attend_items(items, counter, ip, fp, geo, work, tbl, bufs, kchan, kt_tbl, vt
         _item(it // H, it % H, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbuf,
               kt_tbl, kts, kto, vt_tbl, vts, vto, pse, mask, po, pm, pl, pany,
               qv, qa, qs, rb, rn, rs, tmp, offs, kf, vf, s, vx, koff, voff, roff, tsk, tok, tsv, tov, q2, p2, knext,
-              generic)
+              isc, generic)
 
 
 # ---------------------------------------------------------------------------------------------- planning

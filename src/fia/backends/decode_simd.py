@@ -25,6 +25,7 @@ this file, touch decode_kernels.py (or delete its __pycache__ *.nbi / *.nbc) so 
 from __future__ import annotations
 
 import os
+from typing import Callable, NamedTuple
 
 from llvmlite import ir
 from numba import types
@@ -236,50 +237,64 @@ def _hsum_many(b, vecs):
 
 
 # ---------------------------------------------------------------------------------------------- QK
-def _qk_block(b, NR, NC, q0, q_rs, kaddr, offp, c, s0, s_rs, nd, scale, ND, x):
-    """Scores of NR rows (query row r at byte q0 + r * q_rs) x NC keys (c, c + 1, ...), over nd chunks of
-    32 channels (ND: the same as a compile-time count, or None). Each key row is read front to back
-    before the next one: on the machines measured the hardware prefetchers stream plain ascending reads
-    at ~30 GB/s per core but only half that when rows are read interleaved. With ND known the block is
-    straight-line code, so the NR x NC accumulation chains overlap (vdpbf16ps has a 6-cycle latency)."""
-    accs = [[_var(b, ZERO16) for _ in range(NC)] for _ in range(NR)]
+class QKOp(NamedTuple):
+    """How a QK kernel multiplies one chunk of a key row with one chunk of a query row (see _qk_block)."""
+    es: int              # bytes per key element (key rows are addressed in elements)
+    kstep: int           # key bytes per chunk
+    qstep: int           # query bytes per chunk
+    qty: ir.Type         # query chunk vector type
+    zero: ir.Constant    # accumulator start
+    load_k: Callable     # (b, p) -> key chunk vector
+    dot: Callable        # (b, acc, q chunk, k chunk) -> acc
+    to_float: Callable   # (b, acc) -> <16 x float>
+    finish: Callable     # (b, r, score) -> the score stored for query row r
 
-    def chunk(j, kp, o):
-        kv = _load(b, _gep(b, kp, o), V32H)
+
+def _qk_block(b, op, NR, NC, q0, q_rs, kaddr, offp, c, s0, s_rs, nd, ND, x):
+    """Scores of NR rows (query row r at byte q0 + r * q_rs) x NC keys (c, c + 1, ...), over nd chunks
+    (ND: the same as a compile-time count, or None). Each key row is read front to back before the next
+    one: on the machines measured the hardware prefetchers stream plain ascending reads at ~30 GB/s per
+    core but only half that when rows are read interleaved. With ND known the block is straight-line
+    code, so the NR x NC accumulation chains overlap (vdpbf16ps has a 6-cycle latency)."""
+    accs = [[_var(b, op.zero) for _ in range(NC)] for _ in range(NR)]
+
+    def chunk(j, kp, k):
+        kv = op.load_k(b, _gep(b, kp, b.mul(k, _c(op.kstep))))
         for r in range(NR):
-            qv = _load(b, _gep(b, _ptr(b, b.add(q0, b.mul(q_rs, _c(r)))), o), V32H)
-            b.store(_dp(b, b.load(accs[r][j]), qv, kv), accs[r][j])
+            qv = _load(b, _gep(b, _ptr(b, b.add(q0, b.mul(q_rs, _c(r)))), b.mul(k, _c(op.qstep))), op.qty)
+            b.store(op.dot(b, b.load(accs[r][j]), qv, kv), accs[r][j])
 
     for j in range(NC):
-        kp = _gep(b, _ptr(b, kaddr), b.mul(b.load(_gep(b, offp, b.add(c, _c(j)))), _c(2)))
+        kp = _gep(b, _ptr(b, kaddr), b.mul(b.load(_gep(b, offp, b.add(c, _c(j)))), _c(op.es)))
         if ND is None:
             with cgutils.for_range(b, nd) as loop:
-                chunk(j, kp, b.mul(loop.index, _c(64)))
+                chunk(j, kp, loop.index)
         else:
             for k in range(ND):
-                chunk(j, kp, _c(64 * k))
+                chunk(j, kp, _c(k))
     _prefetch_rows(b, x, c, NC)
-    sums = _hsum_many(b, [b.load(accs[r][j]) for r in range(NR) for j in range(NC)])
+    sums = _hsum_many(b, [op.to_float(b, b.load(accs[r][j])) for r in range(NR) for j in range(NC)])
     for r in range(NR):
         row = b.add(s0, b.mul(_c(4), b.mul(s_rs, _c(r))))
         for j in range(NC):
             p = _gep(b, _ptr(b, row), b.mul(b.add(c, _c(j)), _c(4)))
-            _store(b, b.fmul(sums[r * NC + j], scale), p, align=4)
+            _store(b, op.finish(b, r, sums[r * NC + j]), p, align=4)
 
 
 def _qk_blocks(b, qa, q_rs, sa, s_rs, R, n, x, block):
-    """The QK schedule shared by qk_dp and decode_fma.qk_fma: query rows in blocks of 4, 2, 1 (_row_blocks),
-    keys in blocks of 4 then 1; block(NR, NC, q0, c, s0, x) emits one block (q0: the block's first query
-    row address, c: its first key, s0: its first score row address, x: the other stream for its keys)."""
+    """The QK schedule shared by qk_dp, decode_fma.qk_fma and decode_vnni.qk_i8: query rows in blocks of 4, 2,
+    1 (_row_blocks), keys in blocks of 4 then 1; block(NR, NC, r0, q0, c, s0, x) emits one block (r0: its
+    first query row, q0: that row's address, c: its first key, s0: its first score row address, x: the other
+    stream for its keys)."""
     def rows_of(NR, r0):
         q0 = b.add(qa, b.mul(r0, q_rs))
         s0 = b.add(sa, b.mul(_c(4), b.mul(r0, s_rs)))
         xr = _first_only(b, x, r0)
         n4 = b.udiv(n, _c(4))
         with cgutils.for_range(b, n4) as loop:
-            block(NR, 4, q0, b.mul(loop.index, _c(4)), s0, xr)
+            block(NR, 4, r0, q0, b.mul(loop.index, _c(4)), s0, xr)
         with cgutils.for_range(b, b.urem(n, _c(4))) as loop:
-            block(NR, 1, q0, b.add(b.mul(n4, _c(4)), loop.index), s0, xr)
+            block(NR, 1, r0, q0, b.add(b.mul(n4, _c(4)), loop.index), s0, xr)
     _row_blocks(b, R, rows_of)
 
 
@@ -320,9 +335,12 @@ def qk_dp(typingctx, qaddr, q_rs, kaddr, offaddr, n, saddr, s_rs, R, D, scale, x
         x = _other_stream(b, *args[10:])
         nd = b.udiv(D_, _c(32))
 
+        op = QKOp(2, 64, 64, V32H, ZERO16, lambda b, p: _load(b, p, V32H), _dp, lambda b, a: a,
+                  lambda b, r, v: b.fmul(v, sc))
+
         def variant(ND):
-            _qk_blocks(b, qa, qrs, sa, srs, R_, n_, x, lambda NR, NC, q0, c, s0, xr: _qk_block(
-                b, NR, NC, q0, qrs, ka, offp, c, s0, srs, nd, sc, ND, xr))
+            _qk_blocks(b, qa, qrs, sa, srs, R_, n_, x, lambda NR, NC, r0, q0, c, s0, xr: _qk_block(
+                b, op, NR, NC, q0, qrs, ka, offp, c, s0, srs, nd, ND, xr))
 
         _switch(b, nd, QK_UNROLLED, variant, None)
 
@@ -343,33 +361,49 @@ _ACC_HI = [8 * L + 4 + i for L in range(4) for i in range(4)]
 _ACC_BACK = [(4 * (t // 8) + t % 8) if t % 8 < 4 else (16 + 4 * (t // 8) + t % 8 - 4) for t in range(32)]
 
 
-def _pv_rows(b, NR, DG, p0, p_rs, vaddr, offp, n, a0, a_rs, ngroups, x):
-    """acc rows a0 + r (float32, a_rs elements apart) += P rows p0 + r (bf16 bits, p_rs bytes apart) . V,
-    DG 32-channel chunks per pass over the keys (ngroups passes)."""
+class PVOp(NamedTuple):
+    """How a PV kernel multiplies weight pairs with value pairs (see _pv_rows)."""
+    es: int              # bytes per value element (value rows are addressed in elements)
+    load_v: Callable     # (b, p) -> 32 values at byte p as <32 x i16> (bf16 bits, widened int8, ...)
+    dot: Callable        # (b, acc, weight pair <16 x i32>, value pairs <32 x i16>) -> acc
+    acc_in: Callable     # (b, r, m0, m1) -> (lo, hi): accumulators of row r's 32 channels at float32 m0, m1
+    acc_out: Callable    # (b, r, lo, hi, m0, m1): add / store them back
+    block: int           # keys per accumulation block (acc_in ... acc_out around each)
+
+
+def _acc_perm_in(b, r, m0, m1):
+    """The float32 accumulators of 32 channels in the lo / hi pair order (see _UNPACK_LO)."""
+    x, y = _load(b, m0, V16F, 4), _load(b, m1, V16F, 4)
+    return _shuffle(b, x, y, _ACC_LO), _shuffle(b, x, y, _ACC_HI)
+
+
+def _acc_perm_out(b, r, lo, hi, m0, m1):
+    _store(b, _shuffle(b, lo, hi, _ACC_BACK[:16]), m0, 4)
+    _store(b, _shuffle(b, lo, hi, _ACC_BACK[16:]), m1, 4)
+
+
+def _pv_rows(b, op, NR, DG, p0, p_rs, vaddr, offp, n, a0, a_rs, ngroups, x):
+    """acc rows a0 + r (float32, a_rs elements apart) += P rows p0 + r (16-bit weights, p_rs bytes apart)
+    . V, DG 32-channel chunks per pass over the keys (ngroups passes); keys in blocks of op.block."""
     vbase = _ptr(b, vaddr)
+    vstep = 32 * op.es                                      # value bytes per 32-channel chunk
     zero = ir.Constant(V32H, [0] * 32)
     with cgutils.for_range(b, ngroups) as g:
-        dbyte = b.mul(g.index, _c(DG * 64))                 # bf16 bytes of this group's first channel
+        dbyte = b.mul(g.index, _c(DG * vstep))              # value bytes of this group's first channel
         dflt = b.mul(g.index, _c(DG * 32 * 4))              # float32 bytes
         xg = _first_only(b, x, g.index)
-        accs = []
-        for r in range(NR):
-            arow = _gep(b, _ptr(b, a0), b.add(b.mul(a_rs, _c(4 * r)), dflt))
-            row = []
-            for ch in range(DG):
-                m0 = _load(b, _gep(b, arow, _c(ch * 128)), V16F, 4)
-                m1 = _load(b, _gep(b, arow, _c(ch * 128 + 64)), V16F, 4)
-                row.append((_var(b, _shuffle(b, m0, m1, _ACC_LO)), _var(b, _shuffle(b, m0, m1, _ACC_HI))))
-            accs.append(row)
+        arows = [_gep(b, _ptr(b, a0), b.add(b.mul(a_rs, _c(4 * r)), dflt)) for r in range(NR)]
+        ms = [[(_gep(b, arows[r], _c(ch * 128)), _gep(b, arows[r], _c(ch * 128 + 64))) for ch in range(DG)]
+              for r in range(NR)]
 
-        def step(c, second):
+        def step(accs, c, second):
             """Keys c and (second: c + 1 | None: a zero row with weight 0)."""
-            va = _gep(b, vbase, b.add(b.mul(b.load(_gep(b, offp, c)), _c(2)), dbyte))
+            va = _gep(b, vbase, b.add(b.mul(b.load(_gep(b, offp, c)), _c(op.es)), dbyte))
             _prefetch_rows(b, xg, c, 2)
-            xs = [_load(b, _gep(b, va, _c(ch * 64)), V32H) for ch in range(DG)]     # row c front to back
+            xs = [op.load_v(b, _gep(b, va, _c(ch * vstep))) for ch in range(DG)]   # row c front to back
             if second:
-                vb = _gep(b, vbase, b.add(b.mul(b.load(_gep(b, offp, b.add(c, _c(1)))), _c(2)), dbyte))
-                ys = [_load(b, _gep(b, vb, _c(ch * 64)), V32H) for ch in range(DG)]
+                vb = _gep(b, vbase, b.add(b.mul(b.load(_gep(b, offp, b.add(c, _c(1)))), _c(op.es)), dbyte))
+                ys = [op.load_v(b, _gep(b, vb, _c(ch * vstep))) for ch in range(DG)]
             else:
                 ys = [zero] * DG
             pairs = [(_shuffle(b, x, y, _UNPACK_LO), _shuffle(b, x, y, _UNPACK_HI)) for x, y in zip(xs, ys)]
@@ -382,26 +416,27 @@ def _pv_rows(b, NR, DG, p0, p_rs, vaddr, offp, n, a0, a_rs, ngroups, x):
                               ir.Constant(V16I, None), [0] * 16)
                 for ch in range(DG):
                     lo_v, hi_v = accs[r][ch]
-                    b.store(_dp(b, b.load(lo_v), wv, pairs[ch][0]), lo_v)
-                    b.store(_dp(b, b.load(hi_v), wv, pairs[ch][1]), hi_v)
+                    b.store(op.dot(b, b.load(lo_v), wv, pairs[ch][0]), lo_v)
+                    b.store(op.dot(b, b.load(hi_v), wv, pairs[ch][1]), hi_v)
 
-        npair = b.udiv(n, _c(2))
-        with cgutils.for_range(b, npair) as loop:
-            step(b.mul(loop.index, _c(2)), True)
-        with b.if_then(b.icmp_unsigned("==", b.urem(n, _c(2)), _c(1))):
-            step(b.sub(n, _c(1)), False)
-        for r in range(NR):
-            arow = _gep(b, _ptr(b, a0), b.add(b.mul(a_rs, _c(4 * r)), dflt))
-            for ch in range(DG):
-                lo_v, hi_v = accs[r][ch]
-                lo, hi = b.load(lo_v), b.load(hi_v)
-                _store(b, _shuffle(b, lo, hi, _ACC_BACK[:16]), _gep(b, arow, _c(ch * 128)), 4)
-                _store(b, _shuffle(b, lo, hi, _ACC_BACK[16:]), _gep(b, arow, _c(ch * 128 + 64)), 4)
+        with cgutils.for_range(b, b.udiv(b.add(n, _c(op.block - 1)), _c(op.block))) as blk:
+            k0 = b.mul(blk.index, _c(op.block))
+            m = b.sub(n, k0)
+            m = b.select(b.icmp_unsigned("<", m, _c(op.block)), m, _c(op.block))
+            accs = [[tuple(_var(b, a) for a in op.acc_in(b, r, *ms[r][ch])) for ch in range(DG)]
+                    for r in range(NR)]
+            with cgutils.for_range(b, b.udiv(m, _c(2))) as loop:
+                step(accs, b.add(k0, b.mul(loop.index, _c(2))), True)
+            with b.if_then(b.icmp_unsigned("==", b.urem(m, _c(2)), _c(1))):
+                step(accs, b.add(k0, b.sub(m, _c(1))), False)
+            for r in range(NR):
+                for ch in range(DG):
+                    op.acc_out(b, r, b.load(accs[r][ch][0]), b.load(accs[r][ch][1]), *ms[r][ch])
 
 
 def _pv_row_blocks(b, R, Dv, widths, body):
-    """The PV schedule shared by pv_dp and decode_fma.pv_fma: rows in blocks of 2 (then 1), each pass over
-    the keys covering as many channels as its accumulators hold. widths: ((m, DG), ..., DG_default): DG
+    """The PV schedule shared by pv_dp, decode_fma.pv_fma and decode_vnni.pv_i8: rows in blocks of 2 (then 1),
+    each pass over the keys covering as many channels as its accumulators hold. widths: ((m, DG), ..., DG_default): DG
     chunks per pass for the first m with Dv % m == 0 (128 channels: every row of D = 128 read front to
     back in one pass, the order the prefetchers stream best). body(NR, DG, first row)."""
     *pairs, last = widths
@@ -439,12 +474,53 @@ def pv_dp(typingctx, paddr, p_rs, vaddr, offaddr, n, aaddr, a_rs, R, Dv, xaddr, 
         offp = _ptr(b, oa, I64)
         x = _other_stream(b, *args[9:])
 
+        op = PVOp(2, lambda b, p: _load(b, p, V32H), _dp, _acc_perm_in, _acc_perm_out, 1 << 40)
+
         def rows_of(NR, DG, r0):
-            _pv_rows(b, NR, DG, b.add(pa, b.mul(r0, prs)), prs, va, offp, n_,
+            _pv_rows(b, op, NR, DG, b.add(pa, b.mul(r0, prs)), prs, va, offp, n_,
                      b.add(aa, b.mul(_c(4), b.mul(r0, ars))), ars, b.udiv(Dv_, _c(DG * 32)),
                      _first_only(b, x, r0))
         _pv_row_blocks(b, R_, Dv_, ((128, 4), 2), rows_of)
 
     def codegen(context, builder, signature, args):
         return _outlined(context, builder, "fia_pv_dp", args, body)
+    return sig, codegen
+
+
+# ---------------------------------------------------------------------------------------------- row maxima
+@intrinsic
+def max_f32(typingctx, addr, n, init, absolute):
+    """max(init, x[0], ..., x[n - 1]) for the float32 x at addr (absolute != 0: of |x[i]|), 4 x 16 lanes at
+    a time. numba's own loops keep this reduction scalar (a maxss chain, ~0.5 ns per element) unless the
+    caller is compiled with nnan. NaN elements are skipped (maxnum): callers rule NaN out or do not need it
+    (decode_kernels.softmax_chunk: exp(NaN - max) is NaN whatever the max)."""
+    sig = types.float32(types.int64, types.int64, types.float32, types.int64)
+
+    def codegen(context, builder, signature, args):
+        b = builder
+        a, n_, init, ab = args
+        p = _ptr(b, a, F32)
+        mx = ir.FunctionType(V16F, [V16F, V16F])
+        vmax = _declare(b, "llvm.maxnum.v16f32", mx)
+        smax = _declare(b, "llvm.maxnum.f32", ir.FunctionType(F32, [F32, F32]))
+        vabs = _declare(b, "llvm.fabs.v16f32", ir.FunctionType(V16F, [V16F]))
+        sabs = _declare(b, "llvm.fabs.f32", ir.FunctionType(F32, [F32]))
+        use_abs = b.icmp_unsigned("!=", ab, _c(0))
+        splat = _shuffle(b, b.insert_element(ir.Constant(V16F, None), init, ir.Constant(I32, 0)),
+                         ir.Constant(V16F, None), [0] * 16)
+        accs = [_var(b, splat) for _ in range(4)]
+        with cgutils.for_range(b, b.udiv(n_, _c(64))) as loop:
+            for j in range(4):
+                v = _load(b, _gep(b, p, b.add(b.mul(loop.index, _c(64)), _c(16 * j))), V16F, 4)
+                v = b.select(use_abs, b.call(vabs, [v]), v)
+                b.store(b.call(vmax, [b.load(accs[j]), v]), accs[j])
+        v = b.call(vmax, [b.call(vmax, [b.load(accs[0]), b.load(accs[1])]),
+                          b.call(vmax, [b.load(accs[2]), b.load(accs[3])])])
+        red = _declare(b, "llvm.vector.reduce.fmax.v16f32", ir.FunctionType(F32, [V16F]))
+        res = _var(b, b.call(red, [v]))
+        with cgutils.for_range(b, b.sub(n_, b.mul(b.udiv(n_, _c(64)), _c(64)))) as loop:
+            x = b.load(_gep(b, p, b.add(b.mul(b.udiv(n_, _c(64)), _c(64)), loop.index)), align=4)
+            x = b.select(use_abs, b.call(sabs, [x]), x)
+            b.store(b.call(smax, [b.load(res), x]), res)
+        return b.load(res)
     return sig, codegen

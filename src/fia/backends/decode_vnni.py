@@ -1,0 +1,140 @@
+"""int8 K / V micro-kernels of the decode backend with 16-bit integer dot products (AVX512-VNNI `vpdpwssd`).
+
+Why: int8 K / V halve the bytes of bf16, but the float32 FMA kernels (decode_fma) must widen every int8
+element (sign extension + convert per 16 values) and multiply 16 lanes per instruction, which left int8
+decode at bf16's speed (docs/PERF_DECODE.md item 18). `vpdpwssd` multiplies 32 int16 pairs and accumulates
+them into 16 int32 lanes in one instruction; an int8 value only needs a sign extension to int16.
+
+The float operand is quantized to int16 by the caller (decode_kernels.quant_i16): one float32 scale per row
+(max |x| / 32767), values rounded to nearest. That is an error of at most 2^-16 of the row's largest
+magnitude per element: below the rounding of the fp16 / bf16 operands the hardware multiplies (its cube
+unit takes the dequantized K in fp16 / bf16 and P rounded to fp16 / bf16). The integer products and sums
+are exact; the 16 lanes are converted to float32 before they are summed (docs/DECISIONS.md decision 24).
+
+* `qk_i8`: s[r, c] = qs[r] * sum_d q[r, d] * k_c[d] for int16 query rows q, scale qs (float32 per row),
+  int8 key rows. Lane sums stay below 2^31 for D <= 8192 (D / 16 products of |q k| <= 32767 * 128 each).
+* `pv_i8`: acc[r, :] += ws[r] * sum_c w[r, c] * v_c[:] for int16 weights w (pairs of keys, as pv_dp),
+  scale ws (float32 per row), int8 value rows. Keys are summed in blocks of 512 (each lane: at most 512
+  products of |w v| <= 32767 * 128, below 2^31), each block added to the float32 accumulators.
+
+On a CPU without the instruction the same IR computes the products with int32 multiplies (exact), so the
+code always compiles; the backend selects these kernels where AVX512-VNNI exists (`HAS_VNNI`), or when
+forced for testing (FIA_DECODE_VNNI=1). Same numba-cache note as decode_simd.py.
+"""
+from __future__ import annotations
+
+import os
+
+import llvmlite.binding as llvm
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from .decode_simd import (F32, I32, I64, V16F, V16I, V32H, PVOp, QKOp, _ACC_BACK, _c, _declare, _gep,
+                          _load, _other_stream, _outlined, _ptr, _pv_row_blocks, _pv_rows, _qk_block, _qk_blocks,
+                          _shuffle, _store, _switch, QK_UNROLLED, _first_only, target_has)
+
+_HOST_VNNI = target_has("avx512vnni", "avx512bw", "avx512f")
+# FIA_DECODE_VNNI: "0" never use these kernels, "1" always (emulated where the CPU lacks the instruction),
+# unset: where the CPU has it
+HAS_VNNI = {"0": False, "1": True}.get(os.environ.get("FIA_DECODE_VNNI", ""), _HOST_VNNI)
+
+_V32B = ir.VectorType(ir.IntType(8), 32)
+_ZERO_I = ir.Constant(V16I, [0] * 16)
+_EVEN = list(range(0, 32, 2))
+_ODD = list(range(1, 32, 2))
+# LLVM 22 spells the operands <32 x i16> (older versions <16 x i32>; both are accepted by 22's auto-upgrade)
+_WORDS = llvm.llvm_version_info[0] >= 22
+
+
+def _dpw(b: ir.IRBuilder, acc, x, y):
+    """acc[l] += x[2l] * y[2l] + x[2l + 1] * y[2l + 1] for int16 pairs x, y (<16 x i32> or <32 x i16>)."""
+    if _HOST_VNNI:
+        t = V32H if _WORDS else V16I
+        fn = _declare(b, "llvm.x86.avx512.vpdpwssd.512", ir.FunctionType(V16I, [V16I, t, t]))
+        return b.call(fn, [acc, b.bitcast(x, t), b.bitcast(y, t)])
+    x, y = b.bitcast(x, V32H), b.bitcast(y, V32H)            # emulation: int32 products of the halves
+    ev = [b.sext(_shuffle(b, v, v, _EVEN), V16I) for v in (x, y)]
+    od = [b.sext(_shuffle(b, v, v, _ODD), V16I) for v in (x, y)]
+    return b.add(b.add(acc, b.mul(*ev)), b.mul(*od))
+
+
+def _widen_i8(b, p):
+    """32 int8 at byte p as <32 x i16>."""
+    return b.sext(_load(b, p, _V32B), V32H)
+
+
+def _row_scale(b, addr, r):
+    """The float32 scale of row r (an i64 value) of the float32 array at addr."""
+    return b.load(_gep(b, _ptr(b, addr, F32), r), align=4)
+
+
+# ---------------------------------------------------------------------------------------------- QK
+@intrinsic
+def qk_i8(typingctx, qaddr, q_rs, kaddr, offaddr, n, saddr, s_rs, R, D, qsaddr, xaddr, xoffaddr, xn, xrow, xes):
+    """s[r, c] = qs[r] * q[r, :D] . K[c, :D], r < R, c < n. q: int16 at qaddr, rows q_rs bytes apart; qs:
+    float32 per row at qsaddr; key c: int8 at element offs[c] of the buffer at kaddr; offs: int64 at offaddr;
+    s: float32 at saddr, rows s_rs elements apart. D % 32 == 0, D <= 8192. Prefetching as decode_simd.qk_dp."""
+    sig = types.void(*([types.int64] * 15))
+
+    def body(b, args):
+        qa, qrs, ka, oa, n_, sa, srs, R_, D_, qsa = args[:10]
+        offp = _ptr(b, oa, I64)
+        x = _other_stream(b, *args[10:])
+        nd = b.udiv(D_, _c(32))
+
+        def variant(ND):
+            def block(NR, NC, r0, q0, c, s0, xr):
+                op = QKOp(1, 32, 64, V32H, _ZERO_I, _widen_i8, _dpw, lambda b, a: b.sitofp(a, V16F),
+                          lambda b, r, v: b.fmul(v, _row_scale(b, qsa, b.add(r0, _c(r)))))
+                _qk_block(b, op, NR, NC, q0, qrs, ka, offp, c, s0, srs, nd, ND, xr)
+            _qk_blocks(b, qa, qrs, sa, srs, R_, n_, x, block)
+
+        _switch(b, nd, QK_UNROLLED, variant, None)
+
+    def codegen(context, builder, signature, args):
+        return _outlined(context, builder, "fia_qk_i8", args, body)
+    return sig, codegen
+
+
+# ---------------------------------------------------------------------------------------------- PV
+def _pv_op(b, wsa, r0):
+    """int32 accumulators per block of keys, added to the float32 ones times the row's weight scale."""
+    def acc_in(b, r, m0, m1):
+        return _ZERO_I, _ZERO_I
+
+    def acc_out(b, r, lo, hi, m0, m1):
+        sc = _row_scale(b, wsa, b.add(r0, _c(r)))
+        scv = _shuffle(b, b.insert_element(ir.Constant(V16F, None), sc, ir.Constant(I32, 0)),
+                       ir.Constant(V16F, None), [0] * 16)
+        lo, hi = b.sitofp(lo, V16F), b.sitofp(hi, V16F)
+        for half, m in ((_ACC_BACK[:16], m0), (_ACC_BACK[16:], m1)):
+            fma = _declare(b, "llvm.fma.v16f32", ir.FunctionType(V16F, [V16F, V16F, V16F]))
+            _store(b, b.call(fma, [_shuffle(b, lo, hi, half), scv, _load(b, m, V16F, 4)]), m, 4)
+
+    return PVOp(1, _widen_i8, _dpw, acc_in, acc_out, 512)
+
+
+@intrinsic
+def pv_i8(typingctx, waddr, w_rs, vaddr, offaddr, n, aaddr, a_rs, R, Dv, wsaddr, xaddr, xoffaddr, xn, xrow, xes):
+    """acc[r, :Dv] += ws[r] * sum_c w[r, c] * V[c, :Dv], r < R, c < n. w: int16 at waddr, rows w_rs bytes
+    apart, read as (w[r, c], w[r, c + 1]) pairs (one readable entry past n - 1 when n is odd: its weight
+    is masked to 0); ws: float32 per row at wsaddr; value c: int8 at element offs[c] of the buffer at vaddr;
+    acc: float32 at aaddr, rows a_rs elements apart. Dv % 64 == 0. Prefetching as decode_simd.pv_dp."""
+    sig = types.void(*([types.int64] * 15))
+
+    def body(b, args):
+        wa, wrs, va, oa, n_, aa, ars, R_, Dv_, wsa = args[:10]
+        offp = _ptr(b, oa, I64)
+        x = _other_stream(b, *args[10:])
+
+        def rows_of(NR, DG, r0):
+            _pv_rows(b, _pv_op(b, wsa, r0), NR, DG, b.add(wa, b.mul(r0, wrs)), wrs, va, offp, n_,
+                     b.add(aa, b.mul(_c(4), b.mul(r0, ars))), ars, b.udiv(Dv_, _c(DG * 32)),
+                     _first_only(b, x, r0))
+        _pv_row_blocks(b, R_, Dv_, ((128, 4), 2), rows_of)
+
+    def codegen(context, builder, signature, args):
+        return _outlined(context, builder, "fia_pv_i8", args, body)
+    return sig, codegen
+
