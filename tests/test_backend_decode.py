@@ -222,6 +222,72 @@ def test_head_dims(d, kind):
     compare((q, k, v), kw)
 
 
+@pytest.mark.parametrize("chunk", [32768, 65536 + 64 * 3])
+@pytest.mark.parametrize("mode", ["chan", "tok"])
+def test_int8_long_chunks(mode, chunk, monkeypatch):
+    """int8 K / V with chunks of more than 512 keys (decode_vnni.pv_i8 sums its int32 lanes in blocks of
+    512 keys) and odd chunk lengths, per-channel scales + offsets / per-token scales + offsets, values at
+    the int8 extremes."""
+    monkeypatch.setattr(DEC, "CHUNK_FLOATS", chunk)
+    g = gen("i8chunks", mode, chunk)
+    b, n, kvn, d = 2, 8, 2, 64
+    lens = [1500, 1031]
+    s = max(lens)
+    q = randn((b, n, 1, d), g, BF16, std=2.0)
+    k, v = rint8((b, kvn, s, d), g), rint8((b, kvn, s, d), g)
+    k[0, 0, :40] = -128                                      # extremes of the integer products
+    v[0, 1, 100:700] = 127
+    kw = dict(num_heads=n, num_key_value_heads=kvn, input_layout="BNSD", scale=1 / math.sqrt(d),
+              softmax_lse_flag=True, actual_seq_lengths_kv=lens)
+    if mode == "chan":
+        kw.update(key_antiquant_scale=runif((1, kvn, 1, d), g, 0.004, 0.02, BF16),
+                  value_antiquant_scale=runif((1, kvn, 1, d), g, 0.004, 0.02, BF16),
+                  key_antiquant_offset=runif((1, kvn, 1, d), g, -3, 3, BF16),
+                  value_antiquant_offset=runif((1, kvn, 1, d), g, -3, 3, BF16),
+                  key_antiquant_mode=0, value_antiquant_mode=0)
+    else:
+        kw.update(key_antiquant_scale=runif((1, b, s), g, 0.004, 0.02, F32),
+                  value_antiquant_scale=runif((1, b, s), g, 0.004, 0.02, F32),
+                  key_antiquant_offset=runif((1, b, s), g, -3, 3, F32),
+                  value_antiquant_offset=runif((1, b, s), g, -3, 3, F32),
+                  key_antiquant_mode=1, value_antiquant_mode=1)
+    compare((q, k, v), kw)
+
+
+@pytest.mark.parametrize("where", ["query", "key_scale", "value_scale"])
+def test_int8_nan_inf_propagate(where):
+    """NaN / Inf reaching the int8 kernels' float operands (query, per-channel key scale folded into it,
+    per-token value scale folded into the probabilities) propagate as in the reference: those rows /
+    chunks are never quantized to int16 (docs/DECISIONS.md 24)."""
+    g = gen("i8nan", where)
+    b, n, kvn, s, d = 2, 8, 2, 300, 64
+    q = randn((b, n, 1, d), g, BF16)
+    k, v = rint8((b, kvn, s, d), g), rint8((b, kvn, s, d), g)
+    kw = dict(num_heads=n, num_key_value_heads=kvn, input_layout="BNSD", scale=1 / math.sqrt(d),
+              softmax_lse_flag=True)
+    if where == "value_scale":
+        ks, vs = runif((1, b, s), g, 0.004, 0.02, F32), runif((1, b, s), g, 0.004, 0.02, F32)
+        vs[0, 1, 17] = float("inf")
+        kw.update(key_antiquant_mode=1, value_antiquant_mode=1)
+    else:
+        ks, vs = runif((1, kvn, 1, d), g, 0.004, 0.02, BF16), runif((1, kvn, 1, d), g, 0.004, 0.02, BF16)
+        if where == "query":
+            q[1, 3, 0, 5] = NAN
+        else:
+            ks[0, 1, 0, 7] = float("inf")
+        kw.update(key_antiquant_mode=0, value_antiquant_mode=0)
+    kw.update(key_antiquant_scale=ks, value_antiquant_scale=vs)
+    od, ld = call(fia.npu_fused_infer_attention_score, (q, k, v), kw, "decode", "strict")
+    orf, lr = call(fia.npu_fused_infer_attention_score, (q, k, v), kw, "reference", "strict")
+    fin = torch.isfinite(orf)
+    assert not fin.all() and torch.equal(torch.isfinite(od), fin)
+    assert torch.equal(torch.isnan(od), torch.isnan(orf))
+    assert torch.equal(od[torch.isinf(orf)], orf[torch.isinf(orf)])          # infinities with their signs
+    assert torch.equal(torch.isnan(ld), torch.isnan(lr))
+    err = (od[fin].double() - orf[fin].double()).abs().max().item() / orf[fin].double().abs().max().item()
+    assert err <= OUT_TOL[BF16]
+
+
 @pytest.mark.parametrize("chunk", [8 * 64, 8192, 32768])
 @pytest.mark.parametrize("lens", [[1000, 37, 1, 0], [513], [64, 65, 127]])
 def test_split_kv_merge(small_splits, monkeypatch, lens, chunk):

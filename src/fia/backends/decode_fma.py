@@ -76,7 +76,7 @@ def _qk_op(kind: int) -> QKOp:
     """Float32 query chunks of 16 x widened key chunks of 16, float32 FMAs (decode_simd._qk_block)."""
     es = _esize(kind)
     return QKOp(es, 16 * es, 64, V16F, ZERO16, lambda b, p: _widen(b, p, kind),
-                lambda b, acc, q, k: _fma(b, q, k, acc), lambda b, a: a, lambda b, r, v: v)
+                lambda b, acc, q, k: _fma(b, q, k, acc), lambda b, a: a, lambda b, r0, NR, NC, v: v)
 
 
 @intrinsic
@@ -95,7 +95,7 @@ def qk_fma(typingctx, qaddr, q_rs, kaddr, kind, offaddr, n, saddr, s_rs, R, D, x
         def emit(kind):
             def variant(ND):
                 _qk_blocks(b, qa, qrs, sa, srs, R_, n_, x, lambda NR, NC, r0, q0, c, s0, xr: _qk_block(
-                    b, _qk_op(kind), NR, NC, q0, qrs, ka, offp, c, s0, srs, nd, ND, xr))
+                    b, _qk_op(kind), NR, NC, r0, q0, qrs, ka, offp, c, s0, srs, nd, ND, xr))
             _switch(b, nd, (8,), variant, None)              # D = 128 straight-line; others a loop
         _switch(b, kd, (KIND_FP16, KIND_I8), emit, KIND_BF16)
 

@@ -192,11 +192,19 @@ def _shuffle(b, x, y, mask):
     return b.shuffle_vector(x, y, ir.Constant(ir.VectorType(I32, len(mask)), mask))
 
 
+def _splat(b, x, lanes):
+    """<lanes x T> with every lane x."""
+    t = ir.VectorType(x.type, lanes)
+    return _shuffle(b, b.insert_element(ir.Constant(t, None), x, ir.Constant(I32, 0)), ir.Constant(t, None),
+                    [0] * lanes)
+
+
 # ---------------------------------------------------------------------------------------------- reductions
-def _hsum_many(b, vecs):
-    """Sums of the 16 lanes of each vector of `vecs` (a power-of-two count <= 16), as a list of float
-    values in the order of `vecs`. Pairwise tree: each step adds the lower and upper halves of every
-    slot of two vectors into one vector with twice the slots (2 shuffles + 1 add per pair)."""
+def _hsum_tree(b, vecs):
+    """Sums of the 16 lanes of each vector of `vecs` (a power-of-two count <= 16): (z, out), sum i being
+    lanes out[i] = (first lane, width) of the vector z (width 1 when there are 16 vectors). Pairwise tree:
+    each step adds the lower and upper halves of every slot of two vectors into one vector with twice the
+    slots (2 shuffles + 1 add per pair)."""
     items = [(v, [(i, 16)]) for i, v in enumerate(vecs)]   # (vector, [(input index, slot width)...])
     while len(items) > 1 or items[0][1][0][1] > 1:
         if len(items) == 1:                                  # one vector left: fold it onto itself
@@ -226,8 +234,19 @@ def _hsum_many(b, vecs):
     for pos, (idx, width) in enumerate(slots):
         if idx not in out:
             out[idx] = (pos * w, width)
+    return z, out
+
+
+def _hsum_many(b, vecs):
+    """Sums of the 16 lanes of each vector of `vecs` (a power-of-two count <= 16), as a list of float
+    values in the order of `vecs` (see _hsum_tree)."""
+    return _sums_of(b, *_hsum_tree(b, vecs))
+
+
+def _sums_of(b, z, out):
+    """The sums of _hsum_tree's (z, out) as float values."""
     res = []
-    for i in range(len(vecs)):
+    for i in range(len(out)):
         lane, width = out[i]
         v = b.extract_element(z, ir.Constant(I32, lane))
         for k in range(1, width):                            # only when a fold left lanes unsummed
@@ -247,10 +266,10 @@ class QKOp(NamedTuple):
     load_k: Callable     # (b, p) -> key chunk vector
     dot: Callable        # (b, acc, q chunk, k chunk) -> acc
     to_float: Callable   # (b, acc) -> <16 x float>
-    finish: Callable     # (b, r, score) -> the score stored for query row r
+    finish: Callable     # (b, r0, NR, NC, <NR * NC x float> row-major scores of rows r0 ...) -> stored scores
 
 
-def _qk_block(b, op, NR, NC, q0, q_rs, kaddr, offp, c, s0, s_rs, nd, ND, x):
+def _qk_block(b, op, NR, NC, r0, q0, q_rs, kaddr, offp, c, s0, s_rs, nd, ND, x):
     """Scores of NR rows (query row r at byte q0 + r * q_rs) x NC keys (c, c + 1, ...), over nd chunks
     (ND: the same as a compile-time count, or None). Each key row is read front to back before the next
     one: on the machines measured the hardware prefetchers stream plain ascending reads at ~30 GB/s per
@@ -273,12 +292,21 @@ def _qk_block(b, op, NR, NC, q0, q_rs, kaddr, offp, c, s0, s_rs, nd, ND, x):
             for k in range(ND):
                 chunk(j, kp, _c(k))
     _prefetch_rows(b, x, c, NC)
-    sums = _hsum_many(b, [op.to_float(b, b.load(accs[r][j])) for r in range(NR) for j in range(NC)])
-    for r in range(NR):
+    L = NR * NC
+    z, out = _hsum_tree(b, [op.to_float(b, b.load(accs[r][j])) for r in range(NR) for j in range(NC)])
+    if all(out[i][1] == 1 for i in range(L)):               # 16 sums: one vector, row-major
+        v = _shuffle(b, z, z, [out[i][0] for i in range(L)])
+    else:
+        v = ir.Constant(ir.VectorType(F32, L), None)
+        for i, val in enumerate(_sums_of(b, z, out)):
+            v = b.insert_element(v, val, ir.Constant(I32, i))
+    v = op.finish(b, r0, NR, NC, v)
+    for r in range(NR):                                     # each row's NC scores in one store
         row = b.add(s0, b.mul(_c(4), b.mul(s_rs, _c(r))))
-        for j in range(NC):
-            p = _gep(b, _ptr(b, row), b.mul(b.add(c, _c(j)), _c(4)))
-            _store(b, op.finish(b, r, sums[r * NC + j]), p, align=4)
+        p = _gep(b, _ptr(b, row), b.mul(c, _c(4)))
+        part = _shuffle(b, v, v, [r * NC + j for j in range(NC)]) if NC > 1 else b.extract_element(
+            v, ir.Constant(I32, r))
+        _store(b, part, p, align=4)
 
 
 def _qk_blocks(b, qa, q_rs, sa, s_rs, R, n, x, block):
@@ -336,11 +364,11 @@ def qk_dp(typingctx, qaddr, q_rs, kaddr, offaddr, n, saddr, s_rs, R, D, scale, x
         nd = b.udiv(D_, _c(32))
 
         op = QKOp(2, 64, 64, V32H, ZERO16, lambda b, p: _load(b, p, V32H), _dp, lambda b, a: a,
-                  lambda b, r, v: b.fmul(v, sc))
+                  lambda b, r0, NR, NC, v: b.fmul(v, _splat(b, sc, NR * NC)))
 
         def variant(ND):
             _qk_blocks(b, qa, qrs, sa, srs, R_, n_, x, lambda NR, NC, r0, q0, c, s0, xr: _qk_block(
-                b, op, NR, NC, q0, qrs, ka, offp, c, s0, srs, nd, ND, xr))
+                b, op, NR, NC, r0, q0, qrs, ka, offp, c, s0, srs, nd, ND, xr))
 
         _switch(b, nd, QK_UNROLLED, variant, None)
 

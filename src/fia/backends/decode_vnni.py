@@ -6,8 +6,8 @@ decode at bf16's speed (docs/PERF_DECODE.md item 18). `vpdpwssd` multiplies 32 i
 them into 16 int32 lanes in one instruction; an int8 value only needs a sign extension to int16.
 
 The float operand is quantized to int16 by the caller (decode_kernels.quant_i16): one float32 scale per row
-(max |x| / 32767), values rounded to nearest. That is an error of at most 2^-16 of the row's largest
-magnitude per element: below the rounding of the fp16 / bf16 operands the hardware multiplies (its cube
+(max |x| / 32767), values rounded to nearest. That is an error of half a step, 1.53e-5 of the row's
+largest magnitude per element: below the rounding of the fp16 / bf16 operands the hardware multiplies (its cube
 unit takes the dequantized K in fp16 / bf16 and P rounded to fp16 / bf16). The integer products and sums
 are exact; the 16 lanes are converted to float32 before they are summed (docs/DECISIONS.md decision 24).
 
@@ -83,11 +83,18 @@ def qk_i8(typingctx, qaddr, q_rs, kaddr, offaddr, n, saddr, s_rs, R, D, qsaddr, 
         x = _other_stream(b, *args[10:])
         nd = b.udiv(D_, _c(32))
 
+        def _scaled(b, r0, NR, NC, v):
+            """Row-major scores times their row's scale qs[r0 + r]."""
+            scs = [_row_scale(b, qsa, b.add(r0, _c(r))) for r in range(NR)]
+            sv = ir.Constant(ir.VectorType(F32, NR * NC), None)
+            for i in range(NR * NC):
+                sv = b.insert_element(sv, scs[i // NC], ir.Constant(I32, i))
+            return b.fmul(v, sv)
+
         def variant(ND):
             def block(NR, NC, r0, q0, c, s0, xr):
-                op = QKOp(1, 32, 64, V32H, _ZERO_I, _widen_i8, _dpw, lambda b, a: b.sitofp(a, V16F),
-                          lambda b, r, v: b.fmul(v, _row_scale(b, qsa, b.add(r0, _c(r)))))
-                _qk_block(b, op, NR, NC, q0, qrs, ka, offp, c, s0, srs, nd, ND, xr)
+                op = QKOp(1, 32, 64, V32H, _ZERO_I, _widen_i8, _dpw, lambda b, a: b.sitofp(a, V16F), _scaled)
+                _qk_block(b, op, NR, NC, r0, q0, qrs, ka, offp, c, s0, srs, nd, ND, xr)
             _qk_blocks(b, qa, qrs, sa, srs, R_, n_, x, block)
 
         _switch(b, nd, QK_UNROLLED, variant, None)
