@@ -143,17 +143,42 @@ def test_calls_with_other_tensors_are_not_memoized():
     assert memo.signature(call_args(q=torch.nn.Parameter(call_args()["query"])), "x", None, False) is None
 
 
-def test_paged_calls_share_a_memo_key_and_are_parsed_every_time():
+@pytest.mark.parametrize("layout", ["BNSD", "BSH"])
+def test_paged_calls_are_recalled_over_their_own_cache_and_table(layout, monkeypatch):
+    """A paged call is parsed twice, then recalled: the caches and the block table of each call (4-D and
+    3-D caches), its block ids range-checked again (an id out of range runs the full parse and its error)."""
     g = torch.Generator().manual_seed(3)
-    cache = torch.randn(6, KV_N, 16, D, generator=g).to(torch.float16)     # 6 blocks of 16
-    a = call_args(k=cache, v=cache, block_size=16, actual_seq_lengths_kv=[S, 9],
+    if layout == "BNSD":
+        cache = torch.randn(6, KV_N, 16, D, generator=g).to(torch.float16)         # 6 blocks of 16
+        q = None
+    else:
+        cache = torch.randn(6, 16, KV_N * D, generator=g).to(torch.float16)         # (blocknum, bs, H)
+        q = torch.randn(B, 1, N * D, generator=g).to(torch.float16)
+    a = call_args(q=q, k=cache, v=cache, input_layout=layout, block_size=16, actual_seq_lengths_kv=[S, 9],
                   block_table=torch.tensor([[0], [3]], dtype=torch.int32))
     first = parse(a)
-    again = core.parse_fused(dict(a, block_table=torch.tensor([[5], [1]], dtype=torch.int32)))
+    parses = []
+    real = core._parse
+    monkeypatch.setattr(core, "_parse", lambda *x: parses.append(1) or real(*x))
+    cache2 = torch.randn(cache.shape, generator=g).to(torch.float16)
+    b2 = dict(a, key=cache2, value=cache2, block_table=torch.tensor([[5], [1]], dtype=torch.int32))
+    again = core.parse_fused(dict(b2))
+    assert not parses, "a paged call of a stored signature must be recalled"
     assert first.memo_key is not None and again.memo_key == first.memo_key
-    assert again.kv.table_host == ((5,), (1,))
-    with pytest.raises(FiaInputError, match="block ids"):
+    assert again.kv.table_host == ((5,), (1,)) and again.kv.block_table is b2["block_table"]
+    assert again.kv.key.data_ptr() == cache2.data_ptr() and again.kv.key.shape == (6, KV_N, 16, D)
+    monkeypatch.setattr(core, "_parse", real)
+    full = core._parse(dict(b2), "npu_fused_infer_attention_score", None, False)
+    assert fields(again) == fields(full) and again.kv.key.stride() == full.kv.key.stride()
+    assert again.kv.blocks_used == full.kv.blocks_used == (1, 1)
+    with pytest.raises(FiaInputError, match=r"block ids .* 6 at \[0, 0\]"):
         core.parse_fused(dict(a, block_table=torch.tensor([[6], [1]], dtype=torch.int32)))
+    with pytest.raises(FiaInputError, match=r"-1 at \[1, 0\]"):
+        core.parse_fused(dict(a, block_table=torch.tensor([[2], [-1]], dtype=torch.int32)))
+    # columns past a batch's length are not in use: any id is accepted there
+    wide = dict(a, block_table=torch.tensor([[0, 99], [3, -7]], dtype=torch.int32))
+    parse(wide)
+    assert core.parse_fused(dict(wide)).kv.table_host == ((0, 99), (3, -7))
 
 
 def test_memo_keeps_no_tensor_alive():

@@ -7,10 +7,10 @@ to the same problem over other tensors, so the full parse (~30-40 us, issue 7's 
 signature and later calls only re-view their tensors (`lookup`). Only successful parses are stored: an
 invalid call never has a stored signature and always runs the full parse, with its own error.
 
-A paged call (a block table besides them) still runs the full parse every time: the block ids are data,
-range-checked on the host. They are only data, though (the table reaches the backend beside the cache),
-so problems of the same signature share a memo_key, on which the backend choice and the decode plan are
-memoized.
+A paged call (a block table besides them) is covered too: its block ids are data, range-checked on the
+host, but only data (the table reaches the backend beside the cache). A stored paged problem is re-viewed
+over the call's caches and table after the same range check as parse's (`_PagedRecipe`); a table with an
+id out of range runs the full parse, which raises its error.
 
 Without a signature (the full parse runs, nothing is memoized): any other tensor argument (masks, scales,
 lengths or padding sizes as tensors: parse reads their values into the problem), tensor lists, tensor
@@ -22,13 +22,15 @@ from __future__ import annotations
 import math
 from itertools import compress, count, repeat
 from operator import is_
-from typing import Optional
+from typing import NamedTuple, Optional
 
+import numpy as np
 import torch
 
 from ..config import is_strict
 from ..spec.layout import to_canonical
-from ..spec.problem import AttentionProblem
+from ..spec.problem import AttentionProblem, PagedKV
+from .paged import bad_block, cache_view, table_host
 
 _Tensor = torch.Tensor
 _TENSORS = ("query", "key", "value")
@@ -111,10 +113,27 @@ def signature(a: dict, api: str, aliases: Optional[dict], decode_only: bool) -> 
             vals, signs)
 
 
+class _PagedRecipe(NamedTuple):
+    """How `_recall` rebuilds a paged problem's PagedKV over another call's caches and block table (parse's
+    paged_kv without the checks of metadata, which the signature fixes; the block ids are checked again)."""
+    kv_n: int
+    block_size: int
+    blocks_used: np.ndarray     # [B] table columns in use
+    nb: int                     # blocks in the pool
+
+    def rebuild(self, a: dict) -> Optional[PagedKV]:
+        key, value, bt = a["key"], a["value"], a["block_table"]
+        host = bt.numpy()                                   # a CPU tensor (the signature's _meta)
+        if bad_block(host, self.blocks_used, self.nb) is not None:
+            return None                                     # the full parse raises the error
+        return PagedKV(cache_view(key, self.kv_n), cache_view(value, self.kv_n), bt, self.block_size,
+                       table_host(host), None, tuple(self.blocks_used.tolist()))
+
+
 def _rebuildable(p: AttentionProblem) -> bool:
-    """The problem's tensors are the canonical views of query, key and value and nothing else (what
-    `_recall` rebuilds); always so for a call without other tensors, checked so the memo cannot drift."""
-    return (p.kv.kind in ("dense", "packed") and p.kv.key_rope is None and p.mask.user_mask is None
+    """The problem's tensors are the canonical views of query, key and value (and the block table) and
+    nothing else (what `_recall` rebuilds); checked so the memo cannot drift."""
+    return (p.kv.kind in ("dense", "packed", "paged") and p.kv.key_rope is None and p.mask.user_mask is None
             and p.query_rope is None and p.pse is None and p.prefix is None and p.antiquant is None
             and p.full_quant is None and p.query_dequant is None and p.out_quant is None and p.sink is None)
 
@@ -125,7 +144,12 @@ def _recall(entry: tuple, a: dict) -> Optional[AttentionProblem]:
     if p is None:
         return None
     inp = p.layout.inp
-    kv = kv_type(to_canonical(a["key"], inp, p.KV_N), to_canonical(a["value"], inp, p.KV_N))
+    if isinstance(kv_type, _PagedRecipe):
+        kv = kv_type.rebuild(a)
+        if kv is None:
+            return None
+    else:
+        kv = kv_type(to_canonical(a["key"], inp, p.KV_N), to_canonical(a["value"], inp, p.KV_N))
     return p.evolve(query=to_canonical(a["query"], inp, p.N), kv=kv)
 
 
@@ -137,7 +161,7 @@ def remember(sig: tuple, p: AttentionProblem) -> AttentionProblem:
     A stream of one-off signatures -- a decode loop whose KV lengths grow every step -- then only pays for
     the signature: storing it, and the backends' plans keyed on it, would cost more than it returns."""
     known = _MEMO.get(sig)
-    if known is not None:                         # a paged call: parsed every time, its memo_key kept
+    if known is not None:                         # a problem parsed every time (not rebuildable): its memo_key kept
         return p.evolve(memo_key=known[2])
     h = hash(sig)
     if h not in _SEEN:
@@ -149,5 +173,8 @@ def remember(sig: tuple, p: AttentionProblem) -> AttentionProblem:
         _MEMO.clear()
     key = next(_KEYS)
     template = p.evolve(query=None, kv=None, memo_key=key) if _rebuildable(p) else None
-    _MEMO[sig] = (template, type(p.kv), key)
+    kvr = type(p.kv)
+    if p.kv.kind == "paged":
+        kvr = _PagedRecipe(p.KV_N, p.kv.block_size, np.array(p.kv.blocks_used, dtype=np.int64), p.kv.key.shape[0])
+    _MEMO[sig] = (template, kvr, key)
     return p.evolve(memo_key=key)

@@ -132,6 +132,7 @@ class PagedKV:
     block_size: int
     table_host: Tuple[Tuple[int, ...], ...]
     key_rope: Optional[torch.Tensor] = None
+    blocks_used: Tuple[int, ...] = ()   # table columns in use per batch (range-checked; parse/paged.py)
     kind: str = field(default="paged", init=False)
 
     def rows(self, b: int, g: BatchGeometry, lo: int, hi: int):
