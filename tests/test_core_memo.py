@@ -218,3 +218,71 @@ def test_decode_plan_reuse_reads_each_calls_data(layout):
                    for n, s in ((N, 1), (KV_N, S), (KV_N, S)))
         a = call_args(q, k, v, input_layout=layout, actual_seq_lengths_kv=[S, 5])
         torch.testing.assert_close(run(a, "decode"), run(a, "reference"), atol=1e-2, rtol=1e-2)
+
+
+def _int8_call(mode: str, seed: int):
+    """An int8-KV call with antiquant parameters: combined / separate, per-channel / per-token, offsets."""
+    g = torch.Generator().manual_seed(seed)
+    qdt = torch.float16 if mode == "separate-chan-token" else torch.bfloat16   # (the hardware's pairing)
+    q = torch.randn(B, N, 1, D, generator=g).to(qdt)
+    k, v = (torch.randint(-128, 128, (B, KV_N, S, D), generator=g, dtype=torch.int8) for _ in range(2))
+    rnd = lambda *s, dt=qdt: (torch.rand(*s, generator=g) / 50 + 0.002).to(dt)  # noqa: E731
+    kw = dict(actual_seq_lengths_kv=[S, 11], softmax_lse_flag=True)
+    if mode == "combined-channel":
+        kw.update(antiquant_scale=rnd(2, KV_N, 1, D), antiquant_offset=rnd(2, KV_N, 1, D), antiquant_mode=0)
+    elif mode == "combined-token":
+        kw.update(antiquant_scale=rnd(2, B, S, dt=torch.float32), antiquant_mode=1)
+    elif mode == "separate-channel":
+        kw.update(key_antiquant_scale=rnd(KV_N, D), value_antiquant_scale=rnd(KV_N, D),
+                  key_antiquant_offset=rnd(KV_N, D), value_antiquant_offset=rnd(KV_N, D))
+    else:                                                  # key per-channel + value per-token
+        kw.update(key_antiquant_scale=rnd(1, KV_N, 1, D), value_antiquant_scale=rnd(1, B, S, dt=torch.float32),
+                  key_antiquant_mode=0, value_antiquant_mode=1)
+    return call_args(q, k, v, **kw)
+
+
+MODES = ["combined-channel", "combined-token", "separate-channel", "separate-chan-token"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_antiquant_calls_are_recalled_over_their_own_scales(mode, monkeypatch):
+    first = parse(_int8_call(mode, 0))
+    assert first.memo_key is not None and first.antiquant is not None
+    parses = []
+    real = core._parse
+    monkeypatch.setattr(core, "_parse", lambda *x: parses.append(1) or real(*x))
+    b = _int8_call(mode, 1)
+    again = core.parse_fused(dict(b))
+    assert not parses, "an antiquant call of a stored signature must be recalled"
+    monkeypatch.setattr(core, "_parse", real)
+    full = core._parse(dict(b), "npu_fused_infer_attention_score", None, False)
+    assert again.memo_key == first.memo_key
+    d_again, d_full = fields(again), fields(full)
+    aq_a, aq_f = d_again[0].pop("antiquant"), d_full[0].pop("antiquant")
+    assert d_again == d_full
+    for x, y in ((aq_a.key, aq_f.key), (aq_a.value, aq_f.value)):
+        assert x.granularity == y.granularity
+        for s, t in ((x.scale, y.scale), (x.offset, y.offset)):
+            assert (s is None) == (t is None)
+            if s is not None:                               # the call's own tensors, viewed as parse does
+                assert s.data_ptr() == t.data_ptr() and s.shape == t.shape and s.stride() == t.stride()
+                assert torch.equal(s, t)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_antiquant_recall_computes_with_each_calls_scales(mode):
+    """Decode (plan memoized per signature) and reference agree call after call with new scales each time."""
+    pytest.importorskip("numba")
+    for seed in range(3):
+        a = _int8_call(mode, 10 + seed)
+        torch.testing.assert_close(run(a, "decode"), run(a, "reference"), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_antiquant_recipe_is_checked_against_its_parse(mode):
+    """A recipe is only stored when replaying it over the parsed call gives back parse's own views."""
+    a = _int8_call(mode, 3)
+    p = core._parse(dict(a), "npu_fused_infer_attention_score", None, False)
+    r = memo._AntiquantRecipe.of(p.antiquant, a)
+    assert r is not None
+    assert memo._AntiquantRecipe.of(p.antiquant, _int8_call(mode, 4)) is None      # other tensors: no match

@@ -31,7 +31,7 @@ def parse_fused(a: dict, api: str = "npu_fused_infer_attention_score", aliases: 
     if p is None:
         p = _parse(a, api, aliases, decode_only)
         if sig is not None:
-            p = memo.remember(sig, p)
+            p = memo.remember(sig, p, a)
     return p
 
 

@@ -12,10 +12,14 @@ host, but only data (the table reaches the backend beside the cache). A stored p
 over the call's caches and table after the same range check as parse's (`_PagedRecipe`); a table with an
 id out of range runs the full parse, which raises its error.
 
-Without a signature (the full parse runs, nothing is memoized): any other tensor argument (masks, scales,
-lengths or padding sizes as tensors: parse reads their values into the problem), tensor lists, tensor
-subclasses (FakeTensor in graph mode, Parameter), tensors that are not strided CPU tensors, NumPy values,
-lists holding anything but ints.
+The antiquant scales and offsets (SPEC 10) are covered the same way: parse only checks their metadata and
+views them (reshape, an index on a combined parameter's leading axis), so a recall replays those views over
+the call's tensors (`_AntiquantRecipe`, checked against the parse it was made from).
+
+Without a signature (the full parse runs, nothing is memoized): any other tensor argument (masks, other
+scales, lengths or padding sizes as tensors: parse reads their values or keeps them in the problem), tensor
+lists, tensor subclasses (FakeTensor in graph mode, Parameter), tensors that are not strided CPU tensors,
+NumPy values, lists holding anything but ints.
 """
 from __future__ import annotations
 
@@ -30,11 +34,16 @@ import torch
 from ..config import is_strict
 from ..spec.layout import to_canonical
 from ..spec.problem import AttentionProblem, PagedKV
+from ..spec.quant import AntiQuant, KVDequant
 from .paged import bad_block, cache_view, table_host
 
 _Tensor = torch.Tensor
 _TENSORS = ("query", "key", "value")
-_DATA_ONLY = "block_table"   # the one other tensor argument whose values never shape the problem's metadata
+# the other tensor arguments whose values never shape the problem (their metadata go into the signature):
+# the block table (range-checked again on recall) and the antiquant scales / offsets (SPEC 10; viewed only)
+_ANTIQUANT = ("antiquant_scale", "antiquant_offset", "key_antiquant_scale", "key_antiquant_offset",
+              "value_antiquant_scale", "value_antiquant_offset")
+_DATA_ONLY = ("block_table",) + _ANTIQUANT
 _SCALARS = frozenset({type(None), bool, int, float, str, list, tuple})   # the other arguments' types covered
 _INTS = frozenset({int})
 _SEQS = frozenset({list, tuple})
@@ -90,8 +99,9 @@ def signature(a: dict, api: str, aliases: Optional[dict], decode_only: bool) -> 
     floats with their sign (-0.0)."""
     rest = a.copy()
     tensors = [rest.pop(n) for n in _TENSORS]
-    if type(rest.get(_DATA_ONLY)) is _Tensor:
-        tensors.append(rest.pop(_DATA_ONLY))
+    for n in _DATA_ONLY:                                  # (their names leave `rest`: part of the signature)
+        if type(rest.get(n)) is _Tensor:
+            tensors.append(rest.pop(n))
     vals = tuple(rest.values())
     types = tuple(map(type, vals))                        # (C loops: this runs on every call)
     kinds = set(types)
@@ -130,17 +140,64 @@ class _PagedRecipe(NamedTuple):
                        table_host(host), None, tuple(self.blocks_used.tolist()))
 
 
+class _AntiquantRecipe(NamedTuple):
+    """How `_recall` rebuilds a problem's AntiQuant from another call's scale / offset tensors: per slot
+    (key scale, key offset, value scale, value offset) the argument, the shape parse reshaped it to and the
+    index on a combined (2, ...) parameter's leading axis; parse's quant._normalize views, replayed."""
+    slots: tuple                # 4 x (argument name, shape, index or None) or None (no offset)
+    granularities: tuple        # (key, value)
+    int4: bool
+
+    @staticmethod
+    def of(aq, a: dict) -> "Optional[_AntiquantRecipe]":
+        """The recipe of a parsed AntiQuant over its call `a`, or None when replaying it does not give back
+        exactly the parsed views (then the call is parsed every time)."""
+        combined = type(a.get("antiquant_scale")) is _Tensor
+        slots = []
+        for which, part in (("key", aq.key), ("value", aq.value)):
+            for kind, t in (("scale", part.scale), ("offset", part.offset)):
+                if t is None:
+                    slots.append(None)
+                elif combined:
+                    slots.append((f"antiquant_{kind}", (2,) + tuple(t.shape), 0 if which == "key" else 1))
+                else:
+                    slots.append((f"{which}_antiquant_{kind}", tuple(t.shape), None))
+        r = _AntiquantRecipe(tuple(slots), (aq.key.granularity, aq.value.granularity), aq.int4)
+        try:
+            again = r.rebuild(a)
+        except Exception:  # noqa: BLE001 - any mismatch: not memoized
+            return None
+        same = all((x is None and y is None) or (x is not None and y is not None and x.data_ptr() == y.data_ptr()
+                                                 and x.shape == y.shape and x.stride() == y.stride())
+                   for x, y in zip((again.key.scale, again.key.offset, again.value.scale, again.value.offset),
+                                   (aq.key.scale, aq.key.offset, aq.value.scale, aq.value.offset)))
+        return r if same else None
+
+    def rebuild(self, a: dict) -> AntiQuant:
+        ts = []
+        for slot in self.slots:
+            if slot is None:
+                ts.append(None)
+                continue
+            name, shape, idx = slot
+            t = a[name].reshape(shape)
+            ts.append(t if idx is None else t[idx])
+        kg, vg = self.granularities
+        return AntiQuant(KVDequant(kg, ts[0], ts[1]), KVDequant(vg, ts[2], ts[3]), self.int4)
+
+
 def _rebuildable(p: AttentionProblem) -> bool:
-    """The problem's tensors are the canonical views of query, key and value (and the block table) and
-    nothing else (what `_recall` rebuilds); checked so the memo cannot drift."""
+    """The problem's tensors are the canonical views of query, key and value (and the block table, the
+    antiquant parameters: see the recipes) and nothing else (what `_recall` rebuilds); checked so the memo
+    cannot drift."""
     return (p.kv.kind in ("dense", "packed", "paged") and p.kv.key_rope is None and p.mask.user_mask is None
-            and p.query_rope is None and p.pse is None and p.prefix is None and p.antiquant is None
+            and p.query_rope is None and p.pse is None and p.prefix is None
             and p.full_quant is None and p.query_dequant is None and p.out_quant is None and p.sink is None)
 
 
 def _recall(entry: tuple, a: dict) -> Optional[AttentionProblem]:
     """A stored problem over this call's tensors, or None (a problem parsed every time)."""
-    p, kv_type, _ = entry
+    p, kv_type, _, aqr = entry
     if p is None:
         return None
     inp = p.layout.inp
@@ -150,10 +207,11 @@ def _recall(entry: tuple, a: dict) -> Optional[AttentionProblem]:
             return None
     else:
         kv = kv_type(to_canonical(a["key"], inp, p.KV_N), to_canonical(a["value"], inp, p.KV_N))
-    return p.evolve(query=to_canonical(a["query"], inp, p.N), kv=kv)
+    aq = None if aqr is None else aqr.rebuild(a)
+    return p.evolve(query=to_canonical(a["query"], inp, p.N), kv=kv, antiquant=aq)
 
 
-def remember(sig: tuple, p: AttentionProblem) -> AttentionProblem:
+def remember(sig: tuple, p: AttentionProblem, a: dict) -> AttentionProblem:
     """A freshly parsed problem with its memo_key (None until the signature is stored). A signature is
     stored the second time it is parsed, with the problem without its tensors when `_recall` can rebuild it
     (the memo keeps no data alive).
@@ -172,9 +230,11 @@ def remember(sig: tuple, p: AttentionProblem) -> AttentionProblem:
     if len(_MEMO) >= _MAX:
         _MEMO.clear()
     key = next(_KEYS)
-    template = p.evolve(query=None, kv=None, memo_key=key) if _rebuildable(p) else None
+    aqr = None if p.antiquant is None else _AntiquantRecipe.of(p.antiquant, a)
+    ok = _rebuildable(p) and (p.antiquant is None or aqr is not None)
+    template = p.evolve(query=None, kv=None, antiquant=None, memo_key=key) if ok else None
     kvr = type(p.kv)
     if p.kv.kind == "paged":
         kvr = _PagedRecipe(p.KV_N, p.kv.block_size, np.array(p.kv.blocks_used, dtype=np.int64), p.kv.key.shape[0])
-    _MEMO[sig] = (template, kvr, key)
+    _MEMO[sig] = (template, kvr, key, aqr)
     return p.evolve(memo_key=key)
