@@ -24,7 +24,7 @@ from numba.extending import intrinsic
 
 from .decode_simd import (F32, I16, I32, I64, KIND_BF16, KIND_FP16, KIND_I8, V16F, ZERO16, QKOp, _c, _declare,
                           _first_only, _gep, _load, _other_stream, _outlined, _prefetch_rows, _ptr,
-                          _pv_row_blocks, _qk_block, _qk_blocks, _store, _switch, _var, target_has)
+                          _pv_row_blocks, _qk_block, _qk_blocks, _splat, _store, _switch, _var, target_has)
 
 _V16H = ir.VectorType(ir.HalfType(), 16)
 _V16S = ir.VectorType(I16, 16)
@@ -122,8 +122,7 @@ def _pv_pass(b, kind, NR, DG, p0, p_rs, vaddr, offp, n, a0, a_rs, g, x):
         for r in range(NR):
             pw = b.load(b.bitcast(_gep(b, _ptr(b, p0), b.add(b.mul(p_rs, _c(r)), b.mul(c, _c(4)))),
                                   F32.as_pointer()), align=4)
-            wv = b.shuffle_vector(b.insert_element(ir.Constant(V16F, None), pw, ir.Constant(I32, 0)),
-                                  ir.Constant(V16F, None), ir.Constant(ir.VectorType(I32, 16), [0] * 16))
+            wv = _splat(b, pw, 16)
             for ch in range(DG):
                 b.store(_fma(b, wv, vs[ch], b.load(accs[r][ch])), accs[r][ch])
     for r in range(NR):

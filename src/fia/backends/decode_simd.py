@@ -440,8 +440,7 @@ def _pv_rows(b, op, NR, DG, p0, p_rs, vaddr, offp, n, a0, a_rs, ngroups, x):
                 w = b.load(b.bitcast(pp, I32.as_pointer()), align=2)
                 if not second:                               # weight 0 for the missing key
                     w = b.and_(w, ir.Constant(I32, 0xFFFF))
-                wv = _shuffle(b, b.insert_element(ir.Constant(V16I, None), w, ir.Constant(I32, 0)),
-                              ir.Constant(V16I, None), [0] * 16)
+                wv = _splat(b, w, 16)
                 for ch in range(DG):
                     lo_v, hi_v = accs[r][ch]
                     b.store(op.dot(b, b.load(lo_v), wv, pairs[ch][0]), lo_v)
@@ -534,9 +533,7 @@ def max_f32(typingctx, addr, n, init, absolute):
         vabs = _declare(b, "llvm.fabs.v16f32", ir.FunctionType(V16F, [V16F]))
         sabs = _declare(b, "llvm.fabs.f32", ir.FunctionType(F32, [F32]))
         use_abs = b.icmp_unsigned("!=", ab, _c(0))
-        splat = _shuffle(b, b.insert_element(ir.Constant(V16F, None), init, ir.Constant(I32, 0)),
-                         ir.Constant(V16F, None), [0] * 16)
-        accs = [_var(b, splat) for _ in range(4)]
+        accs = [_var(b, _splat(b, init, 16)) for _ in range(4)]
         with cgutils.for_range(b, b.udiv(n_, _c(64))) as loop:
             for j in range(4):
                 v = _load(b, _gep(b, p, b.add(b.mul(loop.index, _c(64)), _c(16 * j))), V16F, 4)

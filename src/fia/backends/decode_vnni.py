@@ -32,7 +32,7 @@ from numba.extending import intrinsic
 
 from .decode_simd import (F32, I32, I64, V16F, V16I, V32H, PVOp, QKOp, _ACC_BACK, _c, _declare, _gep,
                           _load, _other_stream, _outlined, _ptr, _pv_row_blocks, _pv_rows, _qk_block, _qk_blocks,
-                          _shuffle, _store, _switch, QK_UNROLLED, _first_only, target_has)
+                          _shuffle, _splat, _store, _switch, QK_UNROLLED, _first_only, target_has)
 
 _HOST_VNNI = target_has("avx512vnni", "avx512bw", "avx512f")
 # FIA_DECODE_VNNI: "0" never use these kernels, "1" always (emulated where the CPU lacks the instruction),
@@ -111,12 +111,10 @@ def _pv_op(b, wsa, r0):
         return _ZERO_I, _ZERO_I
 
     def acc_out(b, r, lo, hi, m0, m1):
-        sc = _row_scale(b, wsa, b.add(r0, _c(r)))
-        scv = _shuffle(b, b.insert_element(ir.Constant(V16F, None), sc, ir.Constant(I32, 0)),
-                       ir.Constant(V16F, None), [0] * 16)
+        scv = _splat(b, _row_scale(b, wsa, b.add(r0, _c(r))), 16)
         lo, hi = b.sitofp(lo, V16F), b.sitofp(hi, V16F)
+        fma = _declare(b, "llvm.fma.v16f32", ir.FunctionType(V16F, [V16F, V16F, V16F]))
         for half, m in ((_ACC_BACK[:16], m0), (_ACC_BACK[16:], m1)):
-            fma = _declare(b, "llvm.fma.v16f32", ir.FunctionType(V16F, [V16F, V16F, V16F]))
             _store(b, b.call(fma, [_shuffle(b, lo, hi, half), scv, _load(b, m, V16F, 4)]), m, 4)
 
     return PVOp(1, _widen_i8, _dpw, acc_in, acc_out, 512)
