@@ -254,6 +254,24 @@ def test_int8_long_chunks(mode, chunk, monkeypatch):
     compare((q, k, v), kw)
 
 
+def test_int8_kv_float32_query_keeps_float32_accuracy():
+    """A float32 query (portable mode) with int8 K / V: the float32 output is held to 1e-5 relative (issue 2),
+    so the int16-operand kernels (decode_vnni, ~7e-5) must not take it."""
+    g = gen("i8f32")
+    b, n, kvn, s, d = 2, 8, 2, 700, 128
+    q = randn((b, n, 1, d), g, F32)
+    k, v = rint8((b, kvn, s, d), g), rint8((b, kvn, s, d), g)
+    kw = dict(num_heads=n, num_key_value_heads=kvn, input_layout="BNSD", scale=1 / math.sqrt(d),
+              softmax_lse_flag=True, key_antiquant_scale=runif((1, kvn, 1, d), g, 0.002, 0.02, F32),
+              value_antiquant_scale=runif((1, kvn, 1, d), g, 0.002, 0.02, F32), key_antiquant_mode=0,
+              value_antiquant_mode=0)
+    od, ld = call(fia.npu_fused_infer_attention_score, (q, k, v), kw, "decode", "portable")
+    orf, lr = call(fia.npu_fused_infer_attention_score, (q, k, v), kw, "reference", "portable")
+    err = ((od.double() - orf.double()).abs().max() / orf.double().abs().max()).item()
+    assert od.dtype == F32 and err <= 1e-5, err
+    assert (ld - lr).abs().max().item() <= 1e-5
+
+
 @pytest.mark.parametrize("where", ["query", "key_scale", "value_scale"])
 def test_int8_nan_inf_propagate(where):
     """NaN / Inf reaching the int8 kernels' float operands (query, per-channel key scale folded into it,

@@ -669,9 +669,11 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
     # float32 FMA kernels (decode_fma) for the other bf16 / fp16 / int8 cases; the build without the generic
     # paths only runs those (decode.py sends head dims that are not multiples of 16 to the generic build)
     # int16 x int8 dot-product kernels (decode_vnni) for int8 K / V: the query (times the key scales) and the
-    # probabilities quantized to int16 per row (quant_i16; isc[0] / isc[1]: their scales)
-    i8_qk = (ip[IP_DP] & DP_I8) != 0 and ip[IP_K_KIND] == KIND_I8 and Dr == 0 and D % 32 == 0 and D <= 8192
-    i8_pv = (ip[IP_DP] & DP_I8) != 0 and ip[IP_V_KIND] == KIND_I8 and Dv % 64 == 0
+    # probabilities quantized to int16 per row (quant_i16; isc[0] / isc[1]: their scales). Not for a float32
+    # query (portable mode): its float32 output is held to float32 accuracy, the float32 kernels keep it
+    i8 = (ip[IP_DP] & DP_I8) != 0 and ip[IP_Q_KIND] != KIND_F32
+    i8_qk = i8 and ip[IP_K_KIND] == KIND_I8 and Dr == 0 and D % 32 == 0 and D <= 8192
+    i8_pv = i8 and ip[IP_V_KIND] == KIND_I8 and Dv % 64 == 0
     q2i = q2.view(np.int16)
     p2i = p2.view(np.int16)
     fma_qk = (not dp_qk and Dr == 0 and D % 16 == 0
