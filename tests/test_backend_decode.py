@@ -254,6 +254,64 @@ def test_int8_long_chunks(mode, chunk, monkeypatch):
     compare((q, k, v), kw)
 
 
+@pytest.mark.parametrize("seed", range(16))
+def test_int8_random_combinations(seed, small_splits):
+    """int8 K / V (the int16-operand kernels where the CPU has VNNI) combined at random with what the loop
+    applies around them: GQA, Q_S up to 8, lengths (some 0), per-channel / per-token scales with or without
+    offsets, user masks, pse_shift, layouts, paged storage. int8 has no NaN: positions past the lengths (and
+    unused pool slots) hold the extremes 127 / -128, which a wrong read would show in the scores."""
+    g = gen("i8combo", seed)
+    r = torch.Generator().manual_seed(seed)
+    pick = lambda xs: xs[int(torch.randint(len(xs), (1,), generator=r))]  # noqa: E731
+    b, kvn, G, d = pick([1, 2, 3]), pick([1, 2]), pick([1, 2, 4, 8]), pick([64, 128])
+    n, sq, s = kvn * G, pick([1, 1, 3, 8]), pick([20, 130, 600])
+    lens = [int(x) for x in torch.randint(0, s + 1, (b,), generator=r)]
+    lens[0] = s
+    dt = pick([BF16, F16])
+    layout = pick(["BNSD", "BSND", "BSH"]) if sq == 1 else "BNSD"
+    q = randn((b, n, sq, d), g, dt)
+    k, v = rint8((b, kvn, s, d), g), rint8((b, kvn, s, d), g)
+    for bi, l in enumerate(lens):
+        k[bi, :, l:], v[bi, :, l:] = 127, -128
+    kw = dict(num_heads=n, num_key_value_heads=kvn, input_layout=layout, scale=1 / math.sqrt(d),
+              softmax_lse_flag=True, actual_seq_lengths_kv=lens)
+    if sq > 1:
+        kw["actual_seq_lengths"] = [sq] * b
+    paged_kv = layout == "BNSD" and torch.rand(1, generator=r).item() < 0.4
+    cap = s
+    if paged_kv:
+        bs = pick([32, 64, 128])
+        table, kpool = paged(lens, bs, kvn, d, g, None, rint8)
+        vpool = torch.full_like(kpool, -128)
+        kpool.fill_(127)
+        for bi, l in enumerate(lens):                 # the dense rows, placed in the table's blocks
+            for p_ in range(l):
+                kpool[table[bi, p_ // bs], :, p_ % bs] = k[bi, :, p_]
+                vpool[table[bi, p_ // bs], :, p_ % bs] = v[bi, :, p_]
+        kw.update(block_table=table, block_size=bs)
+        cap = table.shape[1] * bs                     # per-token scales cover the table's positions
+        args = (q, kpool, vpool)
+    else:
+        args = (to_layout(q, layout), to_layout(k, layout), to_layout(v, layout))
+    mode = pick(["chan", "tok"])
+    offsets = bool(torch.randint(2, (1,), generator=r))
+    if mode == "chan":
+        shp, sdt = (1, kvn, 1, d), dt
+    else:
+        shp, sdt = (1, b, cap), F32
+    for which in ("key", "value"):
+        kw[f"{which}_antiquant_scale"] = runif(shp, g, 0.002, 0.02, sdt)
+        if offsets:
+            kw[f"{which}_antiquant_offset"] = runif(shp, g, -4, 4, sdt)
+        kw[f"{which}_antiquant_mode"] = 0 if mode == "chan" else 1
+    if torch.rand(1, generator=r).item() < 0.4:
+        m = torch.rand(b, sq, cap, generator=r) < 0.3
+        kw["atten_mask"] = m[:, 0] if sq == 1 else m
+    if torch.rand(1, generator=r).item() < 0.4:
+        kw["pse_shift"] = randn((pick([1, b]), n, sq, cap), g, dt, std=2.0)
+    compare(args, kw, mode="portable")
+
+
 def test_int8_kv_float32_query_keeps_float32_accuracy():
     """A float32 query (portable mode) with int8 K / V: the float32 output is held to 1e-5 relative (issue 2),
     so the int16-operand kernels (decode_vnni, ~7e-5) must not take it."""
