@@ -9,32 +9,20 @@ weight of an odd key count is poisoned (must be ignored), keys are read through 
 """
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import pytest
 import torch
 
 numba = pytest.importorskip("numba")
 from numba import njit  # noqa: E402
+from kernel_util import compiling_with, once_under_decode  # noqa: E402,F401
 
 from fia.backends import decode_simd as S  # noqa: E402
 
 
-@contextlib.contextmanager
-def _compiling_with(module, name, value):
-    """module.name = value while fresh (uncached) wrappers are compiled: the flag decides the emitted IR."""
-    saved = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, saved)
-
-
 def _kernels(native: bool):
     """Fresh numba wrappers compiled with the native instruction or the emulation."""
-    with _compiling_with(S, "_HOST_DP", native):
+    with compiling_with(S, "_HOST_DP", native):
         @njit
         def qk(q, kbuf, offs, n, s, R, D, scale, xbuf, xoffs, xn, xrow, xes):
             S.qk_dp(q.ctypes.data, q.shape[1] * 2, kbuf.ctypes.data, offs.ctypes.data, n, s.ctypes.data,
@@ -51,16 +39,9 @@ def _kernels(native: bool):
         offs = np.zeros(2, np.int64)
         qk(one16, buf, offs, 1, np.zeros((1, 2), np.float32), 1, 32, np.float32(1), buf, offs, 1, 32, 2)
         pv(np.zeros((1, 4), np.uint16), buf, offs, 1, np.zeros((1, 64), np.float32), 1, 64, buf, offs, 1, 64, 2)
+    for f in (qk, pv):          # no later compile (it would emit the restored flag's code)
+        f.disable_compile()
     return qk, pv
-
-
-@pytest.fixture(autouse=True)
-def _once(request):
-    """Kernel-level tests: one run, whatever backend the suite's autouse fixture forces."""
-    cs = getattr(request.node, "callspec", None)
-    be = cs.params.get("fia_backend") if cs is not None else None
-    if be is not None and be != "decode":
-        pytest.skip("kernel tests run once, under be=decode")
 
 
 MODES = [False] + ([True] if S._HOST_DP else [])
@@ -144,7 +125,7 @@ KINDS = {"bf16": (FM.KIND_BF16, torch.bfloat16), "fp16": (FM.KIND_FP16, torch.fl
 
 def _fma_kernels(f16c: bool):
     """Fresh wrappers compiled with fp16 widened by F16C or by integer arithmetic."""
-    with _compiling_with(FM, "F16C", f16c):
+    with compiling_with(FM, "F16C", f16c):
         @njit
         def qk(q, kbuf, kind, offs, n, s, R, D, xbuf, xoffs, xn, xrow, xes):
             FM.qk_fma(q.ctypes.data, q.shape[1] * 4, kbuf.ctypes.data, kind, offs.ctypes.data, n, s.ctypes.data,
@@ -159,6 +140,8 @@ def _fma_kernels(f16c: bool):
         offs = np.zeros(2, np.int64)
         qk(np.zeros((1, 16), np.float32), buf, 2, offs, 1, np.zeros((1, 2), np.float32), 1, 16, buf, offs, 1, 16, 2)
         pv(np.zeros((1, 2), np.float32), buf, 2, offs, 1, np.zeros((1, 16), np.float32), 1, 16, buf, offs, 1, 16, 2)
+    for f in (qk, pv):
+        f.disable_compile()
     return qk, pv
 
 

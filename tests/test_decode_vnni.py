@@ -17,14 +17,13 @@ quant_i16 for its scale, rounding bound, zero and tiny rows, NaN / Inf rejection
 """
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import pytest
 import torch
 
 numba = pytest.importorskip("numba")
 from numba import njit  # noqa: E402
+from kernel_util import compiling_with, once_under_decode  # noqa: E402,F401
 
 from fia.backends import decode_kernels as K  # noqa: E402
 from fia.backends import decode_simd as S  # noqa: E402
@@ -33,20 +32,9 @@ from fia.backends import decode_vnni as V  # noqa: E402
 U = 2.0 ** -24                  # float32 unit roundoff
 
 
-@contextlib.contextmanager
-def _compiling_with(module, name, value):
-    """module.name = value while fresh (uncached) wrappers are compiled: the flag decides the emitted IR."""
-    saved = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, saved)
-
-
 def _kernels(native: bool):
     """Fresh numba wrappers compiled with the native instruction (vpdpwssd) or the int32 emulation."""
-    with _compiling_with(V, "_HOST_VNNI", native):
+    with compiling_with(V, "_HOST_VNNI", native):
         @njit
         def qk(q, kbuf, offs, n, s, R, D, qs, xbuf, xoffs, xn, xrow, xes):
             V.qk_i8(q.ctypes.data, q.shape[1] * 2, kbuf.ctypes.data, offs.ctypes.data, n, s.ctypes.data,
@@ -63,18 +51,9 @@ def _kernels(native: bool):
         one = np.ones(1, np.float32)
         qk(np.zeros((1, 32), np.int16), buf, offs, 1, np.zeros((1, 2), np.float32), 1, 32, one, buf, offs, 1, 32, 1)
         pv(np.zeros((1, 4), np.int16), buf, offs, 1, np.zeros((1, 64), np.float32), 1, 64, one, buf, offs, 1, 64, 1)
-    for f in (qk, pv):          # a call with other argument types would compile again, after the flag's restore
+    for f in (qk, pv):          # no later compile (it would emit the restored flag's code)
         f.disable_compile()
     return qk, pv
-
-
-@pytest.fixture(autouse=True)
-def _once(request):
-    """Kernel-level tests: one run, whatever backend the suite's autouse fixture forces."""
-    cs = getattr(request.node, "callspec", None)
-    be = cs.params.get("fia_backend") if cs is not None else None
-    if be is not None and be != "decode":
-        pytest.skip("kernel tests run once, under be=decode")
 
 
 MODES = [False] + ([True] if V._HOST_VNNI else [])
