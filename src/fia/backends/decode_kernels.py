@@ -987,6 +987,34 @@ def split_work(lens, lo, H, threads, C, min_split, per_thread):
 
 
 # ---------------------------------------------------------------------------------------------- merge
+@njit(fastmath=FM, cache=True, inline="always")
+def _partials_max(pm, pl, w0, w1, h, r, M):
+    """max(M, the maxima of the non-empty partials w0 <= w < w1 of row r, head h); NaN wins."""
+    for w in range(w0, w1):
+        lw = pl[w, h, r]
+        if lw > 0 or lw != lw:
+            x = pm[w, h, r]
+            if x > M or x != x:
+                M = x
+    return M
+
+
+@njit(fastmath=FM, cache=True, inline="always")
+def _partials_add(po, pm, pl, pany, w0, w1, h, r, M, o, Dv, lk, seen):
+    """o[:Dv] += the partials w0 <= w < w1 of row r, head h, rescaled to the maximum M; returns the sum lk
+    and whether any of them saw an unmasked key (seen), continued from the given ones."""
+    for w in range(w0, w1):
+        lw = pl[w, h, r]
+        if lw > 0 or lw != lw:
+            f = np.float32(np.exp(pm[w, h, r] - M))
+            lk += lw * f
+            for d in range(Dv):
+                o[d] += po[w, h, r, d] * f
+        if pany[w, h, r] != 0:
+            seen = 1
+    return lk, seen
+
+
 @njit(nogil=True, fastmath=FM, cache=True)
 def merge(mp, geo, po, pm, pl, pany, wrange, ppo, ppm, ppl, ppany, pwrange, sink, vcs, vco, obase, obufs):
     """Combine the partials of every row; normalize; dequantize per-channel V; special rows.
@@ -1051,52 +1079,25 @@ def merge(mp, geo, po, pm, pl, pany, wrange, ppo, ppm, ppl, ppany, pwrange, sink
                 lse[lb] = np.inf
                 continue
             # the running maximum over every non-empty partial (and the sink)
-            M = -np.inf
-            for w in range(wrange[0, b], wrange[1, b]):
-                lw = pl[w, h, r]
-                if lw > 0 or lw != lw:
-                    x = pm[w, h, r]
-                    if x > M or x != x:
-                        M = x
+            M = _partials_max(pm, pl, wrange[0, b], wrange[1, b], h, r, -np.inf)
             gi = 0
             rp = 0
             if has_prefix != 0:
                 gi = b // pbpg
                 rp = (b - gi * pbpg) * R + r
-                for w in range(pwrange[0, gi], pwrange[1, gi]):
-                    lw = ppl[w, h, rp]
-                    if lw > 0 or lw != lw:
-                        x = ppm[w, h, rp]
-                        if x > M or x != x:
-                            M = x
+                M = _partials_max(ppm, ppl, pwrange[0, gi], pwrange[1, gi], h, rp, M)
             sk = np.float32(0.0)
             if has_sink != 0:
                 sk = sink[n]
                 if sk > M:
                     M = sk
-            lk = np.float32(0.0)
-            seen = 0
             for d in range(Dv):
                 o[d] = 0.0
-            for w in range(wrange[0, b], wrange[1, b]):
-                lw = pl[w, h, r]
-                if lw > 0 or lw != lw:
-                    f = np.float32(np.exp(pm[w, h, r] - M))
-                    lk += lw * f
-                    for d in range(Dv):
-                        o[d] += po[w, h, r, d] * f
-                if pany[w, h, r] != 0:
-                    seen = 1
+            lk, seen = _partials_add(po, pm, pl, pany, wrange[0, b], wrange[1, b], h, r, M, o, Dv,
+                                     np.float32(0.0), 0)
             if has_prefix != 0:
-                for w in range(pwrange[0, gi], pwrange[1, gi]):
-                    lw = ppl[w, h, rp]
-                    if lw > 0 or lw != lw:
-                        f = np.float32(np.exp(ppm[w, h, rp] - M))
-                        lk += lw * f
-                        for d in range(Dv):
-                            o[d] += ppo[w, h, rp, d] * f
-                    if ppany[w, h, rp] != 0:
-                        seen = 1
+                lk, seen = _partials_add(ppo, ppm, ppl, ppany, pwrange[0, gi], pwrange[1, gi], h, rp, M, o, Dv,
+                                         lk, seen)
             if row_fix != 0 and seen == 0 and has_sink == 0:
                 for d in range(Dv):
                     o[d] = 0.0
