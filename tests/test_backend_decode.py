@@ -312,6 +312,29 @@ def test_int8_random_combinations(seed, small_splits):
     compare(args, kw, mode="portable")
 
 
+@pytest.mark.parametrize("order", ["high_first", "low_first"])
+def test_int8_chunks_far_below_the_running_max(order, monkeypatch):
+    """Chunks whose scores sit ~100 below the running maximum (pse_shift): their probabilities (~e^-100) are
+    below what the fused int16 quantization takes (decode_kernels.softmax_chunk mode 2), so they go through
+    quant_i16's float64 path; the chunk that raises the maximum later rescales what came before."""
+    monkeypatch.setattr(DEC, "CHUNK_FLOATS", 64 * 64)       # 64-key chunks at D = 64
+    g = gen("i8far", order)
+    b, n, kvn, s, d = 2, 8, 2, 400, 64
+    q = randn((b, n, 1, d), g, BF16)
+    k, v = rint8((b, kvn, s, d), g), rint8((b, kvn, s, d), g)
+    pse = randn((1, n, 1, s), g, BF16)
+    if order == "high_first":
+        pse[..., 64:] -= 100
+    else:
+        pse[..., :300] -= 100
+    kw = dict(num_heads=n, num_key_value_heads=kvn, input_layout="BNSD", scale=1 / math.sqrt(d),
+              softmax_lse_flag=True, pse_shift=pse,
+              key_antiquant_scale=runif((1, kvn, 1, d), g, 0.002, 0.02, BF16),
+              value_antiquant_scale=runif((1, kvn, 1, d), g, 0.002, 0.02, BF16),
+              key_antiquant_mode=0, value_antiquant_mode=0)
+    compare((q, k, v), kw)
+
+
 def test_int8_kv_float32_query_keeps_float32_accuracy():
     """A float32 query (portable mode) with int8 K / V: the float32 output is held to 1e-5 relative (issue 2),
     so the int16-operand kernels (decode_vnni, ~7e-5) must not take it."""

@@ -552,23 +552,48 @@ def quant_i16(x, R, n, dst, sc):
 
 # ---------------------------------------------------------------------------------------------- softmax
 @njit(fastmath=FM, cache=True)
-def softmax_chunk(s, R, n, m, ll, vx, acc, Dv, p2, to_bf16):
+def softmax_chunk(s, R, n, m, ll, vx, acc, Dv, p2, mode, wsc):
     """Online softmax of the chunk's scores s[:R, :n] (replaced by exp(s - running max)); the running max
-    m, sum ll, the value extras vx and the accumulators acc [R, Dv] are rescaled. to_bf16: also write the
+    m, sum ll, the value extras vx and the accumulators acc [R, Dv] are rescaled. mode 1: also write the
     probabilities as bf16 bits to p2 (rounded to nearest even: what the hardware's cube unit multiplies,
-    docs/DECISIONS.md). Unsigned indices: signed ones stop LLVM from vectorizing the loops."""
+    docs/DECISIONS.md 23); mode 2: also as int16 to p2 with the row scales wsc (quant_i16 fused into the
+    pass: the row's largest probability is exp(chunk max - running max)). Returns False when mode 2 left
+    p2 unusable (a NaN or infinite probability sum, or a chunk maximum below 1e-30 of the running one): the
+    caller then runs quant_i16 (its float64 path, or the float32 kernels). Unsigned indices: signed ones
+    stop LLVM from vectorizing the loops."""
     n_ = np.uint64(n)
+    ok = True
+    p2i = p2.view(np.int16)
     for r in range(R):
         mo = m[r]
-        mx = max_f32(s.ctypes.data + r * s.strides[0], n, mo, 0)   # NaN scores: see max_f32
+        cm = max_f32(s.ctypes.data + r * s.strides[0], n, np.float32(-np.inf), 0)   # NaN scores: see max_f32
+        mx = cm if cm > mo else mo
         alpha = fexp(mo - mx)
         ls = np.float32(0.0)
-        if to_bf16:
+        if mode == 1:
             for c in range(n_):
                 e = fexp(s[r, c] - mx)
                 s[r, c] = e
                 p2[r, c] = f32_to_bf16_bits(e)
                 ls += e
+        elif mode == 2:
+            wmax = fexp(cm - mx)
+            if wmax >= np.float32(1e-30):
+                inv = np.float32(32767.0) / wmax
+                wsc[r] = wmax / np.float32(32767.0)
+                for c in range(n_):
+                    e = fexp(s[r, c] - mx)
+                    s[r, c] = e
+                    p2i[r, c] = np.int16(min(np.rint(e * inv), np.float32(32767.0)))
+                    ls += e
+            else:
+                ok = False
+                for c in range(n_):
+                    e = fexp(s[r, c] - mx)
+                    s[r, c] = e
+                    ls += e
+            if not (ls < np.float32(np.inf)):                   # NaN or infinite: not quantized
+                ok = False
         else:
             for c in range(n_):
                 e = fexp(s[r, c] - mx)
@@ -580,6 +605,7 @@ def softmax_chunk(s, R, n, m, ll, vx, acc, Dv, p2, to_bf16):
             vx[r] *= alpha
             for d in range(np.uint64(Dv)):
                 acc[r, d] *= alpha
+    return ok
 
 
 # ---------------------------------------------------------------------------------------------- the pass
@@ -846,7 +872,8 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
                 if want_any != 0 and seen != 0:
                     anyu[r] = 1
         # ---- online softmax over the chunk (and the bf16 probabilities of pv_dp)
-        softmax_chunk(s, R, n, m, ll, vx, acc, Dv, p2, dp_pv)
+        sm_mode = 1 if dp_pv else (2 if i8_pv and vt_mode == 0 else 0)
+        fused = softmax_chunk(s, R, n, m, ll, vx, acc, Dv, p2, sm_mode, isc[1])
         # ---- V chunk -> acc
         if vt_mode != 0:
             for r in range(R):
@@ -857,7 +884,7 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
                     for c in range(n_):
                         t += s[r, c] * tov[c]
                     vx[r] += t
-        use_i8 = i8_pv and quant_i16(s, R, n, p2i, isc[1])
+        use_i8 = i8_pv and ((sm_mode == 2 and fused) or quant_i16(s, R, n, p2i, isc[1]))
         if dp_pv or use_i8 or fma_pv or generic is None:
             # the next chunk's K rows are requested on the way
             nn = 0
