@@ -525,11 +525,12 @@ def elem_layout(kind, d):
 @njit(fastmath=FM, cache=True)
 def quant_i16(x, R, n, dst, sc):
     """dst[r, :n] = x[r, :n] / sc[r] rounded to int16, sc[r] = max |x[r, :n]| / 32767: the integer operand
-    of the decode_vnni kernels (one scale per row; error: half a step, 1.53e-5 of the row's largest magnitude). Returns
-    False, leaving nothing usable, when x holds a NaN or an infinity: the caller then runs the float32
-    kernels, which propagate them (SPEC 14). Rows of tiny values (max < 1e-30, e.g. subnormal probabilities)
-    are scaled in float64, where the reciprocal does not overflow (their float32 scale itself is subnormal
-    below ~4e-34 and 0 below ~2e-41: negligible beside a softmax sum >= 1 or scores of order 1)."""
+    of the decode_vnni kernels (one scale per row; error: half a step, 1.53e-5 of the row's largest
+    magnitude). Returns False, leaving nothing usable, when x holds a NaN or an infinity: the caller then
+    runs the float32 kernels, which propagate them (SPEC 14). Rows of tiny values (max < 1e-30, e.g.
+    subnormal probabilities) are scaled in float64, where the reciprocal does not overflow (their float32
+    scale itself is subnormal below ~4e-34 and 0 below ~2e-41: negligible beside a softmax sum >= 1 or
+    scores of order 1)."""
     n_ = np.uint64(n)
     for r in range(R):
         t = np.float32(0.0)
@@ -692,8 +693,6 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
              and kc_mode == 0 and ip[IP_QD] == 0 and ip[IP_KT_MODE] == 0 and D % 32 == 0)
     pf = (ip[IP_DP] & DP_PREFETCH) != 0           # prefetch the other stream inside the IR kernels
     dp_pv = (ip[IP_DP] & DP_PV) != 0 and ip[IP_V_KIND] == KIND_BF16 and ip[IP_VT_MODE] == 0 and Dv % 64 == 0
-    # float32 FMA kernels (decode_fma) for the other bf16 / fp16 / int8 cases; the build without the generic
-    # paths only runs those (decode.py sends head dims that are not multiples of 16 to the generic build)
     # int16 x int8 dot-product kernels (decode_vnni) for int8 K / V: the query (times the key scales) and the
     # probabilities quantized to int16 per row (quant_i16; isc[0] / isc[1]: their scales). Not for a float32
     # query (portable mode): its float32 output is held to float32 accuracy, the float32 kernels keep it
@@ -702,6 +701,8 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
     i8_pv = i8 and ip[IP_V_KIND] == KIND_I8 and Dv % 64 == 0
     q2i = q2.view(np.int16)
     p2i = p2.view(np.int16)
+    # float32 FMA kernels (decode_fma) for the other bf16 / fp16 / int8 cases; the build without the generic
+    # paths only runs those (decode.py sends head dims that are not multiples of 16 to the generic build)
     fma_qk = (not dp_qk and Dr == 0 and D % 16 == 0
               and (ip[IP_K_KIND] == KIND_BF16 or ip[IP_K_KIND] == KIND_FP16 or ip[IP_K_KIND] == KIND_I8))
     fma_pv = (not dp_pv and Dv % 16 == 0
