@@ -24,7 +24,7 @@ from numba.extending import intrinsic
 
 from .decode_simd import (F32, I16, I32, I64, KIND_BF16, KIND_FP16, KIND_I8, V16F, ZERO16, QKOp, _c, _declare,
                           _first_only, _gep, _load, _other_stream, _outlined, _prefetch_rows, _ptr,
-                          _pv_row_blocks, _qk_block, _qk_blocks, _splat, _store, _switch, _var, target_has)
+                          _pv_row_blocks, _qk_kernel, _splat, _store, _switch, _var, target_has)
 
 _V16H = ir.VectorType(ir.HalfType(), 16)
 _V16S = ir.VectorType(I16, 16)
@@ -90,13 +90,9 @@ def qk_fma(typingctx, qaddr, q_rs, kaddr, kind, offaddr, n, saddr, s_rs, R, D, x
         qa, qrs, ka, kd, oa, n_, sa, srs, R_, D_ = args[:10]
         offp = _ptr(b, oa, I64)
         x = _other_stream(b, *args[10:])
-        nd = b.udiv(D_, _c(16))
 
-        def emit(kind):
-            def variant(ND):
-                _qk_blocks(b, qa, qrs, sa, srs, R_, n_, x, lambda NR, NC, r0, q0, c, s0, xr: _qk_block(
-                    b, _qk_op(kind), NR, NC, r0, q0, qrs, ka, offp, c, s0, srs, nd, ND, xr))
-            _switch(b, nd, (8,), variant, None)              # D = 128 straight-line; others a loop
+        def emit(kind):                                      # D = 128 straight-line; others a loop
+            _qk_kernel(b, _qk_op(kind), qa, qrs, ka, offp, sa, srs, R_, n_, D_, x, 16, (8,))
         _switch(b, kd, (KIND_FP16, KIND_I8), emit, KIND_BF16)
 
     def codegen(context, builder, signature, args):

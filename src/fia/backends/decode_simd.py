@@ -329,6 +329,18 @@ def _qk_blocks(b, qa, q_rs, sa, s_rs, R, n, x, block):
 QK_UNROLLED = (4, 2)         # D = 128, 64: straight-line blocks; other D % 32 == 0: a loop over chunks
 
 
+def _qk_kernel(b, op, qa, q_rs, ka, offp, sa, s_rs, R, n, D, x, chunk, unrolled):
+    """The body of a QK kernel (qk_dp, decode_fma.qk_fma, decode_vnni.qk_i8): op's blocks over the
+    _qk_blocks schedule, D in chunks of `chunk` elements; head dims of `unrolled` chunk counts as
+    straight-line code, the others as a loop over chunks."""
+    nd = b.udiv(D, _c(chunk))
+
+    def variant(ND):
+        _qk_blocks(b, qa, q_rs, sa, s_rs, R, n, x, lambda NR, NC, r0, q0, c, s0, xr: _qk_block(
+            b, op, NR, NC, r0, q0, q_rs, ka, offp, c, s0, s_rs, nd, ND, xr))
+    _switch(b, nd, unrolled, variant, None)
+
+
 def _first_only(b, x, r0):
     """x for the first row block, nothing to prefetch for the others (their rows were requested)."""
     xaddr, xoffp, xn, xbytes, xes = x
@@ -359,18 +371,10 @@ def qk_dp(typingctx, qaddr, q_rs, kaddr, offaddr, n, saddr, s_rs, R, D, scale, x
 
     def body(b, args):
         qa, qrs, ka, oa, n_, sa, srs, R_, D_, sc = args[:10]
-        offp = _ptr(b, oa, I64)
-        x = _other_stream(b, *args[10:])
-        nd = b.udiv(D_, _c(32))
-
         op = QKOp(2, 64, 64, V32H, ZERO16, lambda b, p: _load(b, p, V32H), _dp, lambda b, a: a,
                   lambda b, r0, NR, NC, v: b.fmul(v, _splat(b, sc, NR * NC)))
-
-        def variant(ND):
-            _qk_blocks(b, qa, qrs, sa, srs, R_, n_, x, lambda NR, NC, r0, q0, c, s0, xr: _qk_block(
-                b, op, NR, NC, r0, q0, qrs, ka, offp, c, s0, srs, nd, ND, xr))
-
-        _switch(b, nd, QK_UNROLLED, variant, None)
+        _qk_kernel(b, op, qa, qrs, ka, _ptr(b, oa, I64), sa, srs, R_, n_, D_, _other_stream(b, *args[10:]), 32,
+                   QK_UNROLLED)
 
     def codegen(context, builder, signature, args):
         return _outlined(context, builder, "fia_qk_dp", args, body)
@@ -461,6 +465,15 @@ def _pv_rows(b, op, NR, DG, p0, p_rs, vaddr, offp, n, a0, a_rs, ngroups, x):
                     op.acc_out(b, r, b.load(accs[r][ch][0]), b.load(accs[r][ch][1]), *ms[r][ch])
 
 
+def _pv_pairs_kernel(b, op_of, pa, p_rs, va, offp, n, aa, a_rs, R, Dv, x):
+    """The body of a key-pair PV kernel (pv_dp, decode_vnni.pv_i8): _pv_rows with op_of(first row) over the
+    _pv_row_blocks schedule, 128 channels per pass where Dv allows, else 64."""
+    def rows_of(NR, DG, r0):
+        _pv_rows(b, op_of(r0), NR, DG, b.add(pa, b.mul(r0, p_rs)), p_rs, va, offp, n,
+                 b.add(aa, b.mul(_c(4), b.mul(r0, a_rs))), a_rs, b.udiv(Dv, _c(DG * 32)), _first_only(b, x, r0))
+    _pv_row_blocks(b, R, Dv, ((128, 4), 2), rows_of)
+
+
 def _pv_row_blocks(b, R, Dv, widths, body):
     """The PV schedule shared by pv_dp, decode_fma.pv_fma and decode_vnni.pv_i8: rows in blocks of 2 (then 1),
     each pass over the keys covering as many channels as its accumulators hold. widths: ((m, DG), ..., DG_default): DG
@@ -498,16 +511,9 @@ def pv_dp(typingctx, paddr, p_rs, vaddr, offaddr, n, aaddr, a_rs, R, Dv, xaddr, 
 
     def body(b, args):
         pa, prs, va, oa, n_, aa, ars, R_, Dv_ = args[:9]
-        offp = _ptr(b, oa, I64)
-        x = _other_stream(b, *args[9:])
-
         op = PVOp(2, lambda b, p: _load(b, p, V32H), _dp, _acc_perm_in, _acc_perm_out, 1 << 40)
-
-        def rows_of(NR, DG, r0):
-            _pv_rows(b, op, NR, DG, b.add(pa, b.mul(r0, prs)), prs, va, offp, n_,
-                     b.add(aa, b.mul(_c(4), b.mul(r0, ars))), ars, b.udiv(Dv_, _c(DG * 32)),
-                     _first_only(b, x, r0))
-        _pv_row_blocks(b, R_, Dv_, ((128, 4), 2), rows_of)
+        _pv_pairs_kernel(b, lambda r0: op, pa, prs, va, _ptr(b, oa, I64), n_, aa, ars, R_, Dv_,
+                         _other_stream(b, *args[9:]))
 
     def codegen(context, builder, signature, args):
         return _outlined(context, builder, "fia_pv_dp", args, body)

@@ -31,8 +31,8 @@ from numba import types
 from numba.extending import intrinsic
 
 from .decode_simd import (F32, I32, I64, V16F, V16I, V32H, PVOp, QKOp, _ACC_BACK, _c, _declare, _gep,
-                          _load, _other_stream, _outlined, _ptr, _pv_row_blocks, _pv_rows, _qk_block, _qk_blocks,
-                          _shuffle, _splat, _store, _switch, QK_UNROLLED, _first_only, target_has)
+                          _load, _other_stream, _outlined, _ptr, _pv_pairs_kernel, _qk_kernel, _shuffle, _splat,
+                          _store, QK_UNROLLED, target_has)
 
 _HOST_VNNI = target_has("avx512vnni", "avx512bw", "avx512f")
 # FIA_DECODE_VNNI: "0" never use these kernels, "1" always (emulated where the CPU lacks the instruction),
@@ -79,9 +79,6 @@ def qk_i8(typingctx, qaddr, q_rs, kaddr, offaddr, n, saddr, s_rs, R, D, qsaddr, 
 
     def body(b, args):
         qa, qrs, ka, oa, n_, sa, srs, R_, D_, qsa = args[:10]
-        offp = _ptr(b, oa, I64)
-        x = _other_stream(b, *args[10:])
-        nd = b.udiv(D_, _c(32))
 
         def _scaled(b, r0, NR, NC, v):
             """Row-major scores times their row's scale qs[r0 + r]."""
@@ -91,13 +88,9 @@ def qk_i8(typingctx, qaddr, q_rs, kaddr, offaddr, n, saddr, s_rs, R, D, qsaddr, 
                 sv = b.insert_element(sv, scs[i // NC], ir.Constant(I32, i))
             return b.fmul(v, sv)
 
-        def variant(ND):
-            def block(NR, NC, r0, q0, c, s0, xr):
-                op = QKOp(1, 32, 64, V32H, _ZERO_I, _widen_i8, _dpw, lambda b, a: b.sitofp(a, V16F), _scaled)
-                _qk_block(b, op, NR, NC, r0, q0, qrs, ka, offp, c, s0, srs, nd, ND, xr)
-            _qk_blocks(b, qa, qrs, sa, srs, R_, n_, x, block)
-
-        _switch(b, nd, QK_UNROLLED, variant, None)
+        op = QKOp(1, 32, 64, V32H, _ZERO_I, _widen_i8, _dpw, lambda b, a: b.sitofp(a, V16F), _scaled)
+        _qk_kernel(b, op, qa, qrs, ka, _ptr(b, oa, I64), sa, srs, R_, n_, D_, _other_stream(b, *args[10:]), 32,
+                   QK_UNROLLED)
 
     def codegen(context, builder, signature, args):
         return _outlined(context, builder, "fia_qk_i8", args, body)
@@ -130,14 +123,8 @@ def pv_i8(typingctx, waddr, w_rs, vaddr, offaddr, n, aaddr, a_rs, R, Dv, wsaddr,
 
     def body(b, args):
         wa, wrs, va, oa, n_, aa, ars, R_, Dv_, wsa = args[:10]
-        offp = _ptr(b, oa, I64)
-        x = _other_stream(b, *args[10:])
-
-        def rows_of(NR, DG, r0):
-            _pv_rows(b, _pv_op(b, wsa, r0), NR, DG, b.add(wa, b.mul(r0, wrs)), wrs, va, offp, n_,
-                     b.add(aa, b.mul(_c(4), b.mul(r0, ars))), ars, b.udiv(Dv_, _c(DG * 32)),
-                     _first_only(b, x, r0))
-        _pv_row_blocks(b, R_, Dv_, ((128, 4), 2), rows_of)
+        _pv_pairs_kernel(b, lambda r0: _pv_op(b, wsa, r0), wa, wrs, va, _ptr(b, oa, I64), n_, aa, ars, R_, Dv_,
+                         _other_stream(b, *args[10:]))
 
     def codegen(context, builder, signature, args):
         return _outlined(context, builder, "fia_pv_i8", args, body)
