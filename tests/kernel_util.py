@@ -9,7 +9,7 @@ import pytest
 @contextlib.contextmanager
 def compiling_with(module, name, value):
     """module.name = value while fresh (uncached) wrappers are compiled: the flag decides the emitted IR.
-    Call `disable_compile()` on the wrappers before it ends: a later call with other argument types would
+    Compile the wrappers inside it, then `frozen(...)` them: a later call with other argument types would
     otherwise compile again, after the flag's restore."""
     saved = getattr(module, name)
     setattr(module, name, value)
@@ -17,6 +17,13 @@ def compiling_with(module, name, value):
         yield
     finally:
         setattr(module, name, saved)
+
+
+def frozen(*wrappers):
+    """The numba wrappers, compiled already, with any further compilation refused (see compiling_with)."""
+    for f in wrappers:
+        f.disable_compile()
+    return wrappers
 
 
 @pytest.fixture(autouse=True)

@@ -15,7 +15,7 @@ import torch
 
 numba = pytest.importorskip("numba")
 from numba import njit  # noqa: E402
-from kernel_util import compiling_with, once_under_decode  # noqa: E402,F401
+from kernel_util import compiling_with, frozen, once_under_decode  # noqa: E402,F401
 
 from fia.backends import decode_simd as S  # noqa: E402
 
@@ -39,9 +39,7 @@ def _kernels(native: bool):
         offs = np.zeros(2, np.int64)
         qk(one16, buf, offs, 1, np.zeros((1, 2), np.float32), 1, 32, np.float32(1), buf, offs, 1, 32, 2)
         pv(np.zeros((1, 4), np.uint16), buf, offs, 1, np.zeros((1, 64), np.float32), 1, 64, buf, offs, 1, 64, 2)
-    for f in (qk, pv):          # no later compile (it would emit the restored flag's code)
-        f.disable_compile()
-    return qk, pv
+    return frozen(qk, pv)
 
 
 MODES = [False] + ([True] if S._HOST_DP else [])
@@ -140,9 +138,7 @@ def _fma_kernels(f16c: bool):
         offs = np.zeros(2, np.int64)
         qk(np.zeros((1, 16), np.float32), buf, 2, offs, 1, np.zeros((1, 2), np.float32), 1, 16, buf, offs, 1, 16, 2)
         pv(np.zeros((1, 2), np.float32), buf, 2, offs, 1, np.zeros((1, 16), np.float32), 1, 16, buf, offs, 1, 16, 2)
-    for f in (qk, pv):
-        f.disable_compile()
-    return qk, pv
+    return frozen(qk, pv)
 
 
 F16C_MODES = [False] + ([True] if FM.F16C else [])

@@ -23,7 +23,7 @@ import torch
 
 numba = pytest.importorskip("numba")
 from numba import njit  # noqa: E402
-from kernel_util import compiling_with, once_under_decode  # noqa: E402,F401
+from kernel_util import compiling_with, frozen, once_under_decode  # noqa: E402,F401
 
 from fia.backends import decode_kernels as K  # noqa: E402
 from fia.backends import decode_simd as S  # noqa: E402
@@ -51,9 +51,7 @@ def _kernels(native: bool):
         one = np.ones(1, np.float32)
         qk(np.zeros((1, 32), np.int16), buf, offs, 1, np.zeros((1, 2), np.float32), 1, 32, one, buf, offs, 1, 32, 1)
         pv(np.zeros((1, 4), np.int16), buf, offs, 1, np.zeros((1, 64), np.float32), 1, 64, one, buf, offs, 1, 64, 1)
-    for f in (qk, pv):          # no later compile (it would emit the restored flag's code)
-        f.disable_compile()
-    return qk, pv
+    return frozen(qk, pv)
 
 
 MODES = [False] + ([True] if V._HOST_VNNI else [])
