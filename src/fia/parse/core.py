@@ -25,8 +25,9 @@ from .paged import paged_kv
 
 def parse_fused(a: dict, api: str = "npu_fused_infer_attention_score", aliases: Optional[dict] = None,
                 *, decode_only: bool = False) -> AttentionProblem:
-    """Arguments -> problem. A call whose only tensors are query, key and value is fully parsed once per
-    signature of its metadata; later calls with the same signature re-view their tensors (parse/memo.py)."""
+    """Arguments -> problem. A call whose only tensors are query, key, value (and a block table or antiquant
+    scales / offsets) is fully parsed until its metadata's signature is stored; later calls with the same
+    signature re-view their tensors (parse/memo.py)."""
     sig, p = memo.lookup(a, api, aliases, decode_only)
     if p is None:
         p = _parse(a, api, aliases, decode_only)

@@ -49,7 +49,8 @@ _INTS = frozenset({int})
 _SEQS = frozenset({list, tuple})
 _ONES, _FLOATS = repeat(1.0), repeat(float)
 _MAX = 256                   # stored signatures (cleared when full: a loop over many shapes only re-parses)
-_MEMO: dict = {}             # signature -> (problem without its tensors or None: parse each time, memo_key)
+_MEMO: dict = {}             # signature -> (problem without its tensors or None: parse each time,
+                             #   kv type or _PagedRecipe, memo_key, _AntiquantRecipe or None)
 _KEYS = count()              # memo_keys
 _SEEN: set = set()           # hashes of the signatures parsed once (admission: stored the second time)
 _MAX_SEEN = 4096
@@ -94,8 +95,8 @@ def lookup(a: dict, api: str, aliases: Optional[dict], decode_only: bool):
 
 
 def signature(a: dict, api: str, aliases: Optional[dict], decode_only: bool) -> Optional[tuple]:
-    """A hashable key of everything parse_fused reads from the call `a` (the block table: its metadata),
-    or None when it is not covered. Every argument counts with its type (True is not 1, 1 is not 1.0) and
+    """A hashable key of everything parse_fused reads from the call `a` (of the block table and the antiquant
+    tensors: their metadata), or None when it is not covered. Every argument counts with its type (True is not 1, 1 is not 1.0) and
     floats with their sign (-0.0)."""
     rest = a.copy()
     tensors = [rest.pop(n) for n in _TENSORS]
