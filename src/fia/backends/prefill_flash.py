@@ -1,0 +1,97 @@
+"""FIA's own bf16 flash-attention kernel for the prefill backend (CPUs with AVX512-BF16).
+
+A drop-in for the calls prefill.py makes to ATen's CPU flash kernel, with the same contract:
+    flash(q [Bq, N, L, D], k [Bq, KV_N, S, D], v [Bq, KV_N, S, Dv], is_causal, mask, scale)
+      -> out [Bq, N, L, Dv] (q's dtype), lse [Bq, N, L] float32
+    S = scale · Q Kᵀ (+ mask, additive, broadcast to [Bq, N, L, S]); top-left causal j <= i when is_causal;
+    out = softmax(S) V with float32 accumulators and the probabilities rounded to bf16 before the PV product.
+Differences: a row with no finite score gets lse -inf (ATen reports 0), and Dv may differ from D.
+
+Why: on the measured machine ATen's kernel runs the benchmark's bf16 prefill at ~35 % of the bf16 matmul
+rate; the GEMMs here (prefill_simd) run at ~90 % of it in cache (docs/PERF_PREFILL.md, session 6).
+Per call: K and V are packed once into the tiles the GEMM reads (pack_items, in parallel; the size of K and
+V), then the (batch entry, kv head, query block) items run on the decode backend's thread pool with dynamic
+scheduling, causal items longest first.
+
+`eligible` says when the kernel applies: CPU tensors, bf16 q / k / v (and mask), head dims multiples of 64,
+the CPU has AVX512-BF16 (or FIA_DECODE_DP=1 forces the emulated instruction, for tests).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import numpy as np
+import torch
+
+from .prefill_simd import HAS_DP
+
+KT = 256            # keys per tile (scores [rows, KT] float32 stay in L2 with the packed K / V tiles)
+ROWS_PER_ITEM = 96  # query rows (GQA heads x positions) per work item
+# FIA_PREFILL_OWN: "0" never use this kernel, "1" always where eligible (emulated without AVX512-BF16)
+_MODE = os.environ.get("FIA_PREFILL_OWN", "")
+ENABLED = {"0": False, "1": True}.get(_MODE, HAS_DP)
+
+
+def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> bool:
+    """Whether flash() computes this call (else the caller uses ATen's kernel)."""
+    if not ENABLED:
+        return False
+    if q.device.type != "cpu" or not (q.dtype == k.dtype == v.dtype == torch.bfloat16):
+        return False
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return False
+    D, Dv = q.shape[-1], v.shape[-1]
+    if D % 64 or Dv % 64 or k.shape[-1] != D or D == 0 or Dv == 0:
+        return False
+    if q.shape[1] % k.shape[1] or k.shape[0] != q.shape[0] or v.shape[:3] != k.shape[:3] or k.shape[2] == 0:
+        return False
+    if mask is not None and (mask.dtype != torch.bfloat16 or mask.dim() > 4 or
+                             (mask.shape[-1] > 1 and mask.stride(-1) != 1)):
+        return False                # (a mask with strided keys would need a copy of O(L x S))
+    return True
+
+
+def _bits(x: torch.Tensor) -> np.ndarray:
+    """uint16 view (NumPy, same strides) of a bf16 tensor's elements."""
+    return x.view(torch.int16).numpy().view(np.uint16)
+
+
+def _mask_flat(mask: Optional[torch.Tensor], shape):
+    """(uint16 1-D NumPy view of the elements the mask broadcast to `shape` addresses, int64 [4]: element
+    strides of its batch / head / row dims, then 1 when there is a mask, else 0)."""
+    if mask is None:
+        return np.zeros(1, np.uint16), np.zeros(4, np.int64)
+    m = mask.expand(shape)
+    span = 1 + sum((n - 1) * st for n, st in zip(m.shape, m.stride()))
+    flat = torch.as_strided(m.view(torch.int16), (span,), (1,), m.storage_offset())
+    return flat.numpy().view(np.uint16), np.array([*m.stride()[:3], 1], np.int64)
+
+
+def flash(q, k, v, is_causal: bool, mask: Optional[torch.Tensor], scale: float):
+    """See the module doc. Call only when eligible(q, k, v, mask)."""
+    from .decode import _launch
+    from .prefill_kernels import flash_items, pack_items
+    Bq, N, L, D = q.shape
+    H, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    G = N // H
+    nt = (S + KT - 1) // KT
+    threads = max(1, torch.get_num_threads())
+    kp = np.empty((Bq, H, nt, D // 2, KT), np.uint32)       # [Bq, H, nt, D/2, KT] packed key tiles
+    vp = np.empty((Bq, H, nt, KT // 2, Dv), np.uint32)      # [Bq, H, nt, KT/2, Dv] packed value tiles
+    k16, v16 = _bits(k), _bits(v)
+    n_pack = Bq * H * nt
+    _launch(pack_items, np.arange(n_pack, dtype=np.int64), min(threads, n_pack), (k16, v16, kp, vp, S))
+    out = torch.empty((Bq, N, L, Dv), dtype=torch.bfloat16)   # [Bq, N, L, Dv]
+    lse = torch.empty((Bq, N, L), dtype=torch.float32)        # [Bq, N, L]
+    mk, ms = _mask_flat(mask, (Bq, N, L, S))
+    QB = max(1, ROWS_PER_ITEM // G)
+    nqb = (L + QB - 1) // QB
+    n_items = Bq * H * nqb
+    items = np.arange(n_items, dtype=np.int64)
+    if is_causal:                                             # longest (latest query block) first
+        items = items.reshape(Bq * H, nqb)[:, ::-1].T.reshape(-1).copy()
+    _launch(flash_items, items, min(threads, n_items),
+            (_bits(q), kp, vp, out.view(torch.int16).numpy().view(np.uint16), lse.numpy(), mk,
+             ms, S, bool(is_causal), float(scale), QB))
+    return out, lse

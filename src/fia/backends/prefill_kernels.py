@@ -1,0 +1,186 @@
+"""Numba kernels of the prefill flash path (prefill_flash.py): K / V packing and the blocked online softmax.
+
+Work item = (batch entry b, kv head h, query block of QB positions): its rows are the G query heads of kv
+head h times the QB positions (row r = g * QB + ii: head h * G + g, position i0 + ii), so every packed K / V
+tile is used by the whole GQA group. Per key tile of KT keys: scores with one GEMM (prefill_simd.gemm_bf16),
+the online softmax in float32 (running max m, sum l; probabilities rounded to bf16 for the PV product, as
+ATen's bf16 flash kernel and the hardware do), then O += P . V with a second GEMM. Tiles entirely past a
+row's last key (top-left causal) are never computed; the additive mask (bf16 bits, any strides) is read
+per tile. Output bf16 bits (O / l rounded to nearest even) and lse = m + log(l) in float32; a row without
+any finite score gets output 0 and lse -inf.
+
+Unsigned loop indices where numba should vectorize (a signed computed index adds a wraparound select per
+element, decode_kernels.load_rows).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from .decode_kernels import FM, _fetch_add, bf16_to_f32, f32_to_bf16_bits, fexp
+from .decode_simd import max_f32
+from .prefill_simd import COLS, ROWS, gemm_bf16
+
+__all__ = ["COLS", "ROWS", "pack_items", "flash_items"]
+
+
+@njit(nogil=True, cache=True)
+def pack_items(items, counter, k16, v16, kp, vp, S):
+    """Pack K and V of (b, h, tile t) items (it = (b * H + h) * nt + t), taken through `counter`:
+    kp[b, h, t, p, c] = (K[2p], K[2p + 1]) of key t * KT + c, vp[b, h, t, c2, d] = (V[key 2 c2, d],
+    V[key 2 c2 + 1, d]) of the tile's keys; keys >= S are zero. k16, v16: [Bq, H, S, D] uint16 bits (any
+    strides); kp: uint32 [Bq, H, nt, D / 2, KT]; vp: uint32 [Bq, H, nt, KT / 2, Dv]."""
+    H, nt, D2, KT = kp.shape[1], kp.shape[2], kp.shape[3], kp.shape[4]
+    Dv = vp.shape[4]
+    n_items = items.shape[0]
+    while True:
+        i = _fetch_add(counter, 0, 1)
+        if i >= n_items:
+            break
+        it = items[i]
+        t = it % nt
+        h = (it // nt) % H
+        b = it // (nt * H)
+        k0 = t * KT
+        for c in range(KT):
+            key = k0 + c
+            if key < S:
+                for p in range(D2):
+                    kp[b, h, t, p, c] = np.uint32(k16[b, h, key, 2 * p]) | (np.uint32(k16[b, h, key, 2 * p + 1]) << np.uint32(16))
+            else:
+                for p in range(D2):
+                    kp[b, h, t, p, c] = np.uint32(0)
+        for c2 in range(KT // 2):
+            ka = k0 + 2 * c2
+            if ka + 1 < S:
+                for d in range(Dv):
+                    vp[b, h, t, c2, d] = np.uint32(v16[b, h, ka, d]) | (np.uint32(v16[b, h, ka + 1, d]) << np.uint32(16))
+            elif ka < S:
+                for d in range(Dv):
+                    vp[b, h, t, c2, d] = np.uint32(v16[b, h, ka, d])
+            else:
+                for d in range(Dv):
+                    vp[b, h, t, c2, d] = np.uint32(0)
+
+
+@njit(fastmath=FM, cache=True)
+def _softmax_row(sc, pb, o, m, l, r, jhi, ncols, scale, mask, mbase, Dv):
+    """Online softmax of row r over the tile's scores sc[r, :jhi] (the rest of the ncols columns masked):
+    scores scaled (+ mask), running max / sum updated, the accumulator row rescaled, bf16 probabilities
+    into pb[r, :ncols] (zeros past jhi). mbase >= 0: the row's mask starts at mask[mbase] (unit stride)."""
+    j_ = np.uint64(jhi)
+    if mbase >= 0:
+        mb = np.uint64(mbase)
+        for j in range(j_):
+            sc[r, j] = sc[r, j] * scale + bf16_to_f32(mask[mb + j])
+    else:
+        for j in range(j_):
+            sc[r, j] = sc[r, j] * scale
+    cm = max_f32(sc.ctypes.data + r * sc.strides[0], jhi, np.float32(-np.inf), 0)
+    mo = m[r]
+    mx = cm if cm > mo else mo
+    if mx == np.float32(-np.inf):                      # nothing finite yet: the row stays empty
+        for j in range(np.uint64(ncols)):
+            pb[r, j] = np.uint16(0)
+        return
+    alpha = fexp(mo - mx)
+    ls = np.float32(0.0)
+    for j in range(j_):
+        e = fexp(sc[r, j] - mx)
+        ls += e
+        pb[r, j] = f32_to_bf16_bits(e)
+    for j in range(j_, np.uint64(ncols)):
+        pb[r, j] = np.uint16(0)
+    l[r] = l[r] * alpha + ls
+    m[r] = mx
+    if alpha != np.float32(1.0):
+        for d in range(np.uint64(Dv)):
+            o[r, d] *= alpha
+
+
+@njit(nogil=True, cache=True)
+def flash_items(items, counter, q16, kp, vp, out16, lse, mask, ms, S, causal, scale, QB):
+    """Items it = (b * H + h) * nqb + qb (see the module doc), taken through the atomic `counter`.
+    q16: [Bq, N, L, D] uint16 bits (any strides); kp / vp: pack_items' tiles; out16: [Bq, N, L, Dv] uint16;
+    lse: [Bq, N, L] float32; mask: uint16 bits of an additive bf16 mask, element (b, n, i, j) at
+    ms[0] * b + ms[1] * n + ms[2] * i + j (strides 0 where it broadcasts), read only when ms[3] != 0;
+    causal: row i keeps keys j <= i."""
+    H, nt, D2, KT = kp.shape[1], kp.shape[2], kp.shape[3], kp.shape[4]
+    Dv = vp.shape[4]
+    N, L = q16.shape[1], q16.shape[2]
+    D = 2 * D2
+    G = N // H
+    nqb = (L + QB - 1) // QB
+    RB = G * QB
+    RP = (RB + ROWS - 1) // ROWS * ROWS
+    qs = np.zeros((RP, D), np.uint16)             # the item's query rows (padding rows stay 0)
+    sc = np.empty((RP, KT), np.float32)           # scores of one tile
+    pb = np.zeros((RP, KT), np.uint16)            # bf16 probabilities of one tile
+    o = np.empty((RP, Dv), np.float32)            # accumulators
+    m = np.empty(RP, np.float32)
+    l = np.empty(RP, np.float32)
+    n_items = items.shape[0]
+    sf = np.float32(scale)
+    while True:
+        t_ = _fetch_add(counter, 0, 1)
+        if t_ >= n_items:
+            break
+        it = items[t_]
+        qb = it % nqb
+        h = (it // nqb) % H
+        b = it // (nqb * H)
+        i0 = qb * QB
+        nq = min(QB, L - i0)
+        for g in range(G):
+            for ii in range(QB):
+                r = g * QB + ii
+                if ii < nq:
+                    for d in range(D):
+                        qs[r, d] = q16[b, h * G + g, i0 + ii, d]
+                else:
+                    for d in range(D):
+                        qs[r, d] = np.uint16(0)
+        o[:, :] = np.float32(0.0)
+        m[:] = np.float32(-np.inf)
+        l[:] = np.float32(0.0)
+        # keys this item needs: all of them, or (causal) up to its last row
+        kend = S if not causal else min(S, i0 + nq)
+        for t in range((kend + KT - 1) // KT):
+            k0 = t * KT
+            nk = min(KT, kend - k0)
+            ncols = (nk + COLS - 1) // COLS * COLS
+            gemm_bf16(qs.ctypes.data, D * 2, kp[b, h, t].ctypes.data, KT * 4, D2, sc.ctypes.data, KT * 4,
+                      RP, ncols, 0)
+            for r in range(RP):
+                ii = r % QB
+                if r >= RB or ii >= nq:
+                    for j in range(ncols):
+                        pb[r, j] = np.uint16(0)
+                    continue
+                i = i0 + ii
+                jhi = nk
+                if causal and i - k0 + 1 < jhi:
+                    jhi = max(0, i - k0 + 1)               # 0: the tile is past this row's last key
+                mbase = -1
+                if ms[3] != 0:
+                    mbase = ms[0] * b + ms[1] * (h * G + r // QB) + ms[2] * i + k0
+                _softmax_row(sc, pb, o, m, l, r, jhi, ncols, sf, mask, mbase, Dv)
+            gemm_bf16(pb.ctypes.data, KT * 2, vp[b, h, t].ctypes.data, Dv * 4, ncols // 2, o.ctypes.data, Dv * 4,
+                      RP, Dv, 1)
+        for g in range(G):
+            n = h * G + g
+            for ii in range(nq):
+                r = g * QB + ii
+                if l[r] > np.float32(0.0):
+                    inv = np.float32(1.0) / l[r]
+                    for d in range(Dv):
+                        out16[b, n, i0 + ii, d] = f32_to_bf16_bits(o[r, d] * inv)
+                    lse[b, n, i0 + ii] = m[r] + np.log(l[r])
+                elif l[r] == np.float32(0.0):
+                    for d in range(Dv):
+                        out16[b, n, i0 + ii, d] = np.uint16(0)
+                    lse[b, n, i0 + ii] = np.float32(-np.inf)
+                else:                                   # NaN sum: NaN row, as the products give
+                    for d in range(Dv):
+                        out16[b, n, i0 + ii, d] = f32_to_bf16_bits(o[r, d] / l[r])
+                    lse[b, n, i0 + ii] = m[r] + np.log(l[r])

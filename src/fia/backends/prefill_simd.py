@@ -1,0 +1,82 @@
+"""bf16 GEMM micro-kernel of the prefill flash kernel (AVX512-BF16 `vdpbf16ps`), emitted as LLVM IR.
+
+Why: ATen's CPU flash kernel (what SDPA runs) reaches ~35 % of this machine's bf16 matmul rate on the
+benchmark's prefill cases (docs/PERF_PREFILL.md, session 6); a register-blocked `vdpbf16ps` loop reaches
+~90 % of it in cache (measured: 195 GFLOP/s QK, 227 GFLOP/s PV on one core).
+
+`gemm_bf16`: C[R, NCOL] (float32, `=` or `+=`) = sum over pairs p of A[r, p] * B[p, :] where
+* A: rows of bf16 *pairs* (one dword = two consecutive elements of the reduction axis), rows a_rs bytes apart;
+* B: the other operand "VNNI-packed": row p holds, for every output column c, the dword (x[2p, c], x[2p+1, c]),
+  rows b_rs bytes apart.
+For QK, A = query rows (pairs along the head dim) and B = a key tile packed [D/2, keys]; for PV, A = bf16
+probabilities (pairs along keys) and B = a value tile packed [keys/2, Dv]. Blocks of NR = 6 rows x 64
+columns (24 accumulators): per pair step 4 loads of B, 6 broadcasts of A, 24 `vdpbf16ps`. R must be a
+multiple of 6 and NCOL of 64 (the callers pad their scratch). Products of bf16 values are exact in float32;
+the sums accumulate in float32 (bf16 subnormals count as zero, as in decode_simd).
+
+Numba's on-disk cache keys prefill_kernels' compiled functions on prefill_kernels.py alone: after editing
+this file (or decode_simd), touch prefill_kernels.py so the kernels are rebuilt.
+"""
+from __future__ import annotations
+
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .decode_simd import HAS_DP, I32, V16I, ZERO16, _c, _dp, _gep, _load, _outlined, _ptr, _splat, _store, _var
+
+NR, NJ = 6, 4                 # rows x 16-column vectors per register block (24 of the 32 zmm registers)
+ROWS = NR                     # R must be a multiple of this
+COLS = 16 * NJ                # NCOL must be a multiple of this
+__all__ = ["HAS_DP", "ROWS", "COLS", "gemm_bf16"]
+
+
+def _block(b, a0, a_rs, bp0, b_rs, npair, c0, c_rs, acc_in):
+    """One NR x COLS block: A rows at a0, B columns starting at bp0, C at c0."""
+    crow = [_gep(b, _ptr(b, c0), b.mul(c_rs, _c(r))) for r in range(NR)]
+    if acc_in:
+        accs = [[_var(b, _load(b, _gep(b, crow[r], _c(64 * j)), ZERO16.type, 4)) for j in range(NJ)]
+                for r in range(NR)]
+    else:
+        accs = [[_var(b, ZERO16) for _ in range(NJ)] for _ in range(NR)]
+    arow = [_ptr(b, b.add(a0, b.mul(a_rs, _c(r)))) for r in range(NR)]
+    with cgutils.for_range(b, npair) as lp:
+        p = lp.index
+        brow = _gep(b, _ptr(b, bp0), b.mul(p, b_rs))
+        bv = [_load(b, _gep(b, brow, _c(64 * j)), V16I, 4) for j in range(NJ)]
+        for r in range(NR):
+            w = b.load(b.bitcast(_gep(b, arow[r], b.mul(p, _c(4))), I32.as_pointer()), align=2)
+            wv = _splat(b, w, 16)
+            for j in range(NJ):
+                b.store(_dp(b, b.load(accs[r][j]), wv, bv[j]), accs[r][j])
+    for r in range(NR):
+        for j in range(NJ):
+            _store(b, b.load(accs[r][j]), _gep(b, crow[r], _c(64 * j)), 4)
+
+
+@intrinsic
+def gemm_bf16(typingctx, aaddr, a_rs, baddr, b_rs, npair, caddr, c_rs, R, NCOL, accumulate):
+    """C (float32 at caddr, rows c_rs bytes apart) [+]= A . B over npair pairs, R rows (multiple of 6) x
+    NCOL columns (multiple of 64); see the module doc. accumulate != 0: C += (else C =)."""
+    sig = types.void(*([types.int64] * 10))
+
+    def body(b, args):
+        aa, ars, ba, brs, npr, ca, crs, R_, N_, acc = args
+        nrb = b.udiv(R_, _c(NR))
+
+        def blocks(acc_in):
+            with cgutils.for_range(b, b.udiv(N_, _c(COLS))) as jl:
+                j0 = b.mul(jl.index, _c(COLS))
+                with cgutils.for_range(b, nrb) as rl:
+                    r0 = b.mul(rl.index, _c(NR))
+                    _block(b, b.add(aa, b.mul(r0, ars)), ars, b.add(ba, b.mul(j0, _c(4))), brs, npr,
+                           b.add(ca, b.add(b.mul(r0, crs), b.mul(j0, _c(4)))), crs, acc_in)
+        with b.if_else(b.icmp_unsigned("!=", acc, _c(0))) as (then, otherwise):
+            with then:
+                blocks(True)
+            with otherwise:
+                blocks(False)
+
+    def codegen(context, builder, signature, args):
+        return _outlined(context, builder, "fia_gemm_bf16", args, body)
+    return sig, codegen
