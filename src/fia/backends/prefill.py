@@ -152,6 +152,15 @@ class PrefillBackend(Backend):
         if pse is not None and um is None and band is None and self.pse_skip and s1 * s2 >= self.pse_skip_min:
             self._run_pse_skipping(p, b, g, q4, k4, v4, pse, dv, out, lse)
             return
+        bias = None if pse is None else pse[None]                  # [1, N, S1, S2] view
+        if um is None and prefill_flash.eligible(q4, k4, v4, bias):
+            # the own kernel takes the band as geometry: one call for the whole window, keys outside the
+            # band never computed, no mask tiles
+            o, l = prefill_flash.flash(q4, k4, v4, False, bias, p.scale, band=band)   # [1, N, S1, E], [1, N, S1]
+            blk = BlockPlan(0, s1)
+            o, l = _special_rows(p, blk, band, s2, o[0, ..., :dv], l[0], vmean, False)
+            _write(p, b, g, 0, s1, o, l, out, lse)
+            return
         batched = pse is None and um is None and q4.device.type == "cpu"
         for blk in plan_batch(s1, s2, band, um is not None, self.block_q, chunk, band_split=self.band_split,
                               band_batched=batched, band_block_q=self.band_block_q):

@@ -68,8 +68,11 @@ def _mask_flat(mask: Optional[torch.Tensor], shape):
     return flat.numpy().view(np.uint16), np.array([*m.stride()[:3], 1], np.int64)
 
 
-def flash(q, k, v, is_causal: bool, mask: Optional[torch.Tensor], scale: float):
-    """See the module doc. Call only when eligible(q, k, v, mask)."""
+def flash(q, k, v, is_causal: bool, mask: Optional[torch.Tensor], scale: float, out=None, lse=None,
+          band=None):
+    """See the module doc. Call only when eligible(q, k, v, mask). out / lse: contiguous buffers to write
+    (tests poison them), else allocated. band (pre, next): row i keeps only keys i - pre <= j <= i + next
+    (with is_causal, next is capped at 0); keys outside are never computed."""
     from .decode import _launch
     from .prefill_kernels import flash_items, pack_items
     Bq, N, L, D = q.shape
@@ -82,16 +85,22 @@ def flash(q, k, v, is_causal: bool, mask: Optional[torch.Tensor], scale: float):
     k16, v16 = _bits(k), _bits(v)
     n_pack = Bq * H * nt
     _launch(pack_items, np.arange(n_pack, dtype=np.int64), min(threads, n_pack), (k16, v16, kp, vp, S))
-    out = torch.empty((Bq, N, L, Dv), dtype=torch.bfloat16)   # [Bq, N, L, Dv]
-    lse = torch.empty((Bq, N, L), dtype=torch.float32)        # [Bq, N, L]
+    if out is None:
+        out = torch.empty((Bq, N, L, Dv), dtype=torch.bfloat16)   # [Bq, N, L, Dv]
+    if lse is None:
+        lse = torch.empty((Bq, N, L), dtype=torch.float32)        # [Bq, N, L]
     mk, ms = _mask_flat(mask, (Bq, N, L, S))
     QB = max(1, ROWS_PER_ITEM // G)
     nqb = (L + QB - 1) // QB
     n_items = Bq * H * nqb
     items = np.arange(n_items, dtype=np.int64)
-    if is_causal:                                             # longest (latest query block) first
+    big = L + S + 1
+    pre, nxt = (big, big) if band is None else (max(min(int(band[0]), big), -big), max(min(int(band[1]), big), -big))
+    if is_causal:
+        nxt = min(nxt, 0)
+    if nxt < big and pre >= big:                              # causal-like: longest (latest query block) first
         items = items.reshape(Bq * H, nqb)[:, ::-1].T.reshape(-1).copy()
     _launch(flash_items, items, min(threads, n_items),
             (_bits(q), kp, vp, out.view(torch.int16).numpy().view(np.uint16), lse.numpy(), mk,
-             ms, S, bool(is_causal), float(scale), QB))
+             ms, S, pre, nxt, float(scale), QB))
     return out, lse

@@ -4,8 +4,8 @@ Work item = (batch entry b, kv head h, query block of QB positions): its rows ar
 head h times the QB positions (row r = g * QB + ii: head h * G + g, position i0 + ii), so every packed K / V
 tile is used by the whole GQA group. Per key tile of KT keys: scores with one GEMM (prefill_simd.gemm_bf16),
 the online softmax in float32 (running max m, sum l; probabilities rounded to bf16 for the PV product, as
-ATen's bf16 flash kernel and the hardware do), then O += P . V with a second GEMM. Tiles entirely past a
-row's last key (top-left causal) are never computed; the additive mask (bf16 bits, any strides) is read
+ATen's bf16 flash kernel and the hardware do), then O += P . V with a second GEMM. Key tiles outside every
+row's band window (top-left causal, or i - pre <= j <= i + next) are never computed; the additive mask (bf16 bits, any strides) is read
 per tile. Output bf16 bits (O / l rounded to nearest even) and lse = m + log(l) in float32; a row without
 any finite score gets output 0 and lse -inf.
 
@@ -64,33 +64,38 @@ def pack_items(items, counter, k16, v16, kp, vp, S):
 
 
 @njit(fastmath=FM, cache=True)
-def _softmax_row(sc, pb, o, m, l, r, jhi, ncols, scale, mask, mbase, Dv):
-    """Online softmax of row r over the tile's scores sc[r, :jhi] (the rest of the ncols columns masked):
-    scores scaled (+ mask), running max / sum updated, the accumulator row rescaled, bf16 probabilities
-    into pb[r, :ncols] (zeros past jhi). mbase >= 0: the row's mask starts at mask[mbase] (unit stride)."""
-    j_ = np.uint64(jhi)
+def _softmax_row(sc, pb, o, m, l, r, jlo, jhi, c0, c1, scale, mask, mbase, Dv):
+    """Online softmax of row r over the tile's scores sc[r, jlo:jhi] (the other columns of the computed
+    range [c0, c1) are masked): scores scaled (+ mask), running max / sum updated, the accumulator row
+    rescaled, bf16 probabilities into pb[r, c0:c1] (zeros outside [jlo, jhi)). mbase >= 0: the mask of
+    column jlo is mask[mbase] (unit stride along keys)."""
+    lo, hi = np.uint64(jlo), np.uint64(max(jlo, jhi))
+    for j in range(np.uint64(c0), lo):
+        pb[r, j] = np.uint16(0)
+    for j in range(hi, np.uint64(c1)):
+        pb[r, j] = np.uint16(0)
     if mbase >= 0:
-        mb = np.uint64(mbase)
-        for j in range(j_):
+        mb = np.uint64(mbase) - lo
+        for j in range(lo, hi):
             sc[r, j] = sc[r, j] * scale + bf16_to_f32(mask[mb + j])
     else:
-        for j in range(j_):
+        for j in range(lo, hi):
             sc[r, j] = sc[r, j] * scale
-    cm = max_f32(sc.ctypes.data + r * sc.strides[0], jhi, np.float32(-np.inf), 0)
+    cm = max_f32(sc.ctypes.data + r * sc.strides[0] + 4 * jlo, hi - lo, np.float32(-np.inf), 0)
     mo = m[r]
     mx = cm if cm > mo else mo
-    if mx == np.float32(-np.inf):                      # nothing finite yet: the row stays empty
-        for j in range(np.uint64(ncols)):
+    if mx == np.float32(-np.inf):                      # nothing finite yet: the row stays empty ...
+        for j in range(lo, hi):
             pb[r, j] = np.uint16(0)
+            if sc[r, j] != sc[r, j]:                   # ... unless a score is NaN (max_f32 skips NaN)
+                l[r] = np.float32(np.nan)
         return
     alpha = fexp(mo - mx)
     ls = np.float32(0.0)
-    for j in range(j_):
+    for j in range(lo, hi):
         e = fexp(sc[r, j] - mx)
         ls += e
         pb[r, j] = f32_to_bf16_bits(e)
-    for j in range(j_, np.uint64(ncols)):
-        pb[r, j] = np.uint16(0)
     l[r] = l[r] * alpha + ls
     m[r] = mx
     if alpha != np.float32(1.0):
@@ -99,12 +104,14 @@ def _softmax_row(sc, pb, o, m, l, r, jhi, ncols, scale, mask, mbase, Dv):
 
 
 @njit(nogil=True, cache=True)
-def flash_items(items, counter, q16, kp, vp, out16, lse, mask, ms, S, causal, scale, QB):
+def flash_items(items, counter, q16, kp, vp, out16, lse, mask, ms, S, pre, nxt, scale, QB):
     """Items it = (b * H + h) * nqb + qb (see the module doc), taken through the atomic `counter`.
     q16: [Bq, N, L, D] uint16 bits (any strides); kp / vp: pack_items' tiles; out16: [Bq, N, L, Dv] uint16;
     lse: [Bq, N, L] float32; mask: uint16 bits of an additive bf16 mask, element (b, n, i, j) at
     ms[0] * b + ms[1] * n + ms[2] * i + j (strides 0 where it broadcasts), read only when ms[3] != 0;
-    causal: row i keeps keys j <= i."""
+    row i keeps keys i - pre <= j <= i + nxt (top-left causal: nxt = 0, pre >= L; no band: both >= L + S).
+    Key tiles no row of an item keeps are skipped, and so are the 64-column blocks at either side of a
+    tile that no row keeps."""
     H, nt, D2, KT = kp.shape[1], kp.shape[2], kp.shape[3], kp.shape[4]
     Dv = vp.shape[4]
     N, L = q16.shape[1], q16.shape[2]
@@ -143,30 +150,31 @@ def flash_items(items, counter, q16, kp, vp, out16, lse, mask, ms, S, causal, sc
         o[:, :] = np.float32(0.0)
         m[:] = np.float32(-np.inf)
         l[:] = np.float32(0.0)
-        # keys this item needs: all of them, or (causal) up to its last row
-        kend = S if not causal else min(S, i0 + nq)
-        for t in range((kend + KT - 1) // KT):
+        # keys some row of the item keeps: [klo, khi)
+        klo = max(0, i0 - pre)
+        khi = min(S, i0 + nq + nxt)
+        for t in range(klo // KT, (khi + KT - 1) // KT if khi > klo else 0):
             k0 = t * KT
-            nk = min(KT, kend - k0)
-            ncols = (nk + COLS - 1) // COLS * COLS
-            gemm_bf16(qs.ctypes.data, D * 2, kp[b, h, t].ctypes.data, KT * 4, D2, sc.ctypes.data, KT * 4,
-                      RP, ncols, 0)
+            c0 = (max(klo - k0, 0) // COLS) * COLS                  # computed columns [c0, c1) of the tile
+            c1 = (min(khi - k0, KT) + COLS - 1) // COLS * COLS
+            nk = min(KT, S - k0)                                     # keys that exist
+            gemm_bf16(qs.ctypes.data, D * 2, kp[b, h, t].ctypes.data + 4 * c0, KT * 4, D2,
+                      sc.ctypes.data + 4 * c0, KT * 4, RP, c1 - c0, 0)
             for r in range(RP):
                 ii = r % QB
                 if r >= RB or ii >= nq:
-                    for j in range(ncols):
+                    for j in range(c0, c1):
                         pb[r, j] = np.uint16(0)
                     continue
                 i = i0 + ii
-                jhi = nk
-                if causal and i - k0 + 1 < jhi:
-                    jhi = max(0, i - k0 + 1)               # 0: the tile is past this row's last key
+                jlo = min(max(c0, i - pre - k0), c1)
+                jhi = max(min(nk, i + nxt + 1 - k0), jlo)
                 mbase = -1
                 if ms[3] != 0:
-                    mbase = ms[0] * b + ms[1] * (h * G + r // QB) + ms[2] * i + k0
-                _softmax_row(sc, pb, o, m, l, r, jhi, ncols, sf, mask, mbase, Dv)
-            gemm_bf16(pb.ctypes.data, KT * 2, vp[b, h, t].ctypes.data, Dv * 4, ncols // 2, o.ctypes.data, Dv * 4,
-                      RP, Dv, 1)
+                    mbase = ms[0] * b + ms[1] * (h * G + r // QB) + ms[2] * i + k0 + jlo
+                _softmax_row(sc, pb, o, m, l, r, jlo, jhi, c0, c1, sf, mask, mbase, Dv)
+            gemm_bf16(pb.ctypes.data + 2 * c0, KT * 2, vp[b, h, t].ctypes.data + (c0 // 2) * Dv * 4, Dv * 4,
+                      (c1 - c0) // 2, o.ctypes.data, Dv * 4, RP, Dv, 1)
         for g in range(G):
             n = h * G + g
             for ii in range(nq):

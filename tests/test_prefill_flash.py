@@ -1,0 +1,184 @@
+"""FIA's own bf16 prefill flash kernel (prefill_flash.flash, prefill_kernels, prefill_simd.gemm_bf16).
+
+* gemm_bf16, native vdpbf16ps (where the CPU has it) and the float32 emulation every other CPU compiles:
+  C = / += A . B against float64 on every row / column block count, with C poisoned (NaN) outside the
+  R x NCOL block it may write.
+* flash() against a float64 softmax on fresh random inputs: GQA, L != S, S not a multiple of the key tile or
+  odd, Dv != D, top-left causal, additive bf16 masks (full, broadcast over batch / heads, -inf rows), query
+  views with overlapping strides (the band path's batched calls); outputs NaN-poisoned before the call.
+  Tolerances: the probabilities are rounded to bf16 before the PV product (as in ATen's kernel and on the
+  hardware), ~2^-9 relative per weight -> 1e-2 of max |out|; lse (float32 throughout) 1e-4.
+* rows without any finite score: output 0, lse -inf; NaN in the query propagates to its rows only.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+numba = pytest.importorskip("numba")
+from numba import njit  # noqa: E402
+from kernel_util import compiling_with, frozen, once_under_decode  # noqa: E402,F401
+
+from fia.backends import decode_simd as DS  # noqa: E402
+from fia.backends import prefill_flash as PF  # noqa: E402
+from fia.backends import prefill_simd as PS  # noqa: E402
+
+
+def _gemm(native: bool):
+    with compiling_with(DS, "_HOST_DP", native):
+        @njit
+        def g(a, b, c, npair, R, ncol, acc):
+            PS.gemm_bf16(a.ctypes.data, a.strides[0], b.ctypes.data, b.strides[0], npair, c.ctypes.data,
+                         c.strides[0], R, ncol, acc)
+        g(np.zeros((6, 2), np.uint32), np.zeros((1, 64), np.uint32), np.zeros((6, 64), np.float32), 1, 6, 64, 0)
+    return frozen(g)[0]
+
+
+MODES = [False] + ([True] if DS._HOST_DP else [])
+
+
+@pytest.mark.parametrize("native", MODES, ids=lambda m: "native" if m else "emulated")
+def test_gemm_bf16(native):
+    g = _gemm(native)
+    rng = np.random.default_rng(1)
+    for R, ncol, npair, acc in [(6, 64, 1, 0), (12, 128, 64, 0), (18, 192, 33, 1), (6, 64, 256, 1), (30, 64, 7, 0)]:
+        a = torch.randn(R + 3, 2 * npair + 6).bfloat16()             # rows longer than npair pairs: must be ignored
+        bm = torch.randn(2 * npair + 2, ncol + 32).bfloat16()        # [2 * npair (+ 2 unused), ncol (+ 32 unused)]
+        a32 = a.view(torch.int16).numpy().view(np.uint32)            # [R + 3, npair + 3] pairs
+        # packed: row p = (bm[2p, c], bm[2p + 1, c]) as one dword
+        pk = bm.view(torch.int16).numpy().view(np.uint16).astype(np.uint32)
+        bp = np.ascontiguousarray(pk[0::2] | (pk[1::2] << 16))         # [npair + 1, ncol + 32]
+        c = np.full((R + 2, ncol + 16), np.nan, np.float32)
+        c0 = rng.standard_normal((R, ncol)).astype(np.float32)
+        if acc:
+            c[:R, :ncol] = c0
+        g(a32, bp, c, npair, R, ncol, acc)
+        ref = a[:R, :2 * npair].double() @ bm[:2 * npair, :ncol].double()
+        if acc:
+            ref = ref + torch.from_numpy(c0).double()
+        bound = a[:R, :2 * npair].double().abs() @ bm[:2 * npair, :ncol].double().abs() + 1
+        err = (torch.from_numpy(c[:R, :ncol]).double() - ref).abs() / bound
+        assert err.max().item() < 1e-6, (R, ncol, npair, acc)
+        assert np.isnan(c[R:]).all() and np.isnan(c[:, ncol:]).all()
+
+
+def _ref(q, k, v, causal, mask, scale, band=None):
+    """float64 softmax attention (GQA by repeat), lse natural log; rows without a finite score: 0 / -inf.
+    band (pre, next): row i keeps keys i - pre <= j <= i + next."""
+    G = q.shape[1] // k.shape[1]
+    kk, vv = k.double().repeat_interleave(G, 1), v.double().repeat_interleave(G, 1)
+    s = q.double() @ kk.transpose(-1, -2) * scale                     # [B, N, L, S]
+    if mask is not None:
+        s = s + mask.double()
+    if causal:
+        L, S = s.shape[-2:]
+        s = s.masked_fill(torch.ones(L, S, dtype=torch.bool).triu(1), float("-inf"))
+    if band is not None:
+        i = torch.arange(s.shape[-2])[:, None]
+        j = torch.arange(s.shape[-1])[None]
+        s = s.masked_fill((j < i - band[0]) | (j > i + band[1]), float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    return p @ vv, lse
+
+
+def _poisoned(B, N, L, Dv):
+    return torch.full((B, N, L, Dv), float("nan")).bfloat16(), torch.full((B, N, L), float("nan"))
+
+
+def _check(o, lse, ro, rl, tag):
+    scale = ro.abs().max().item() + 1e-30
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any(), tag
+    assert (o.double() - ro).abs().max().item() <= 1e-2 * scale, tag
+    fin = torch.isfinite(rl)
+    assert torch.equal(torch.isfinite(lse), fin), tag
+    if fin.any():
+        assert (lse.double()[fin] - rl[fin]).abs().max().item() <= 1e-4, tag
+    assert (o.double()[~fin] == 0).all(), tag
+
+
+CASES = [  # B, N, KV_N, L, S, D, Dv, causal, mask[, band]
+    (1, 8, 2, 100, 300, 128, 128, False, None),
+    (1, 8, 2, 300, 1000, 128, 128, False, None, (40, 300)),
+    (2, 4, 2, 700, 700, 64, 64, True, "bcast", (256, 256)),
+    (1, 4, 4, 500, 520, 128, 64, False, "full", (-100, 130)),
+    (1, 4, 1, 129, 600, 128, 128, False, None, (5000, -70)),
+    (1, 2, 1, 64, 64, 128, 128, False, None, (-10, -20)),
+    (2, 4, 4, 37, 515, 64, 128, True, None),
+    (1, 32, 8, 257, 257, 128, 128, True, None),
+    (1, 6, 3, 64, 701, 128, 64, False, "full"),
+    (2, 4, 1, 50, 50, 128, 128, True, "bcast"),
+    (3, 2, 2, 9, 1, 64, 64, False, None),
+    (1, 128, 1, 5, 77, 64, 64, True, "full"),
+    (2, 8, 8, 200, 130, 192, 64, False, "rows"),
+]
+
+
+@pytest.mark.skipif(not PF.ENABLED, reason="own prefill kernel disabled on this CPU")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_flash_matches_float64(case):
+    B, N, H, L, S, D, Dv, causal, mk = case[:9]
+    band = case[9] if len(case) > 9 else None
+    torch.manual_seed(hash(case) % 1000)
+    q = torch.randn(B, N, L, D).bfloat16()
+    k = torch.randn(B, H, S, D).bfloat16()
+    v = torch.randn(B, H, S, Dv).bfloat16()
+    mask = None
+    if mk == "full":
+        mask = (torch.randn(B, N, L, S) * 2).bfloat16()
+    elif mk == "bcast":
+        mask = (torch.randn(1, 1, L, S) * 3).bfloat16()
+    elif mk == "rows":                                         # some rows fully masked, some keys cut
+        mask = torch.zeros(1, N, L, S)
+        mask[:, :, ::7] = float("-inf")
+        mask[:, :, :, ::3] = float("-inf")
+        mask = mask.bfloat16()
+    scale = 1 / math.sqrt(D)
+    assert PF.eligible(q, k, v, mask)
+    out, lse = _poisoned(B, N, L, Dv)
+    o, l = PF.flash(q, k, v, causal, mask, scale, out=out, lse=lse, band=band)
+    assert o is out and l is lse
+    ro, rl = _ref(q, k, v, causal, mask, scale, band)
+    _check(o, l, ro, rl, case)
+    if mk == "rows":
+        assert (o[:, :, ::7] == 0).all() and torch.isneginf(l[:, :, ::7]).all()
+
+
+@pytest.mark.skipif(not PF.ENABLED, reason="own prefill kernel disabled on this CPU")
+def test_flash_overlapping_query_views_and_nan():
+    """Batch entries as overlapping strided windows (the band path), and a NaN query row."""
+    torch.manual_seed(3)
+    N, H, T, D, w, bq, nb = 8, 2, 600, 128, 160, 64, 5
+    q = torch.randn(1, N, T, D).bfloat16()
+    k = torch.randn(1, H, T, D).bfloat16()
+    v = torch.randn(1, H, T, D).bfloat16()
+
+    def blocks(x, rows):
+        x = x[0]
+        sh, ss, se = x.stride()
+        return x.as_strided((nb, x.shape[0], rows, x.shape[2]), (bq * ss, sh, ss, se), x.storage_offset())
+    qb, kb, vb = blocks(q, bq), blocks(k, w), blocks(v, w)
+    mask = (torch.randn(1, 1, bq, w)).bfloat16()
+    out, lse = _poisoned(nb, N, bq, D)
+    o, l = PF.flash(qb, kb, vb, False, mask, 0.1, out=out, lse=lse)
+    ro, rl = _ref(qb, kb, vb, False, mask, 0.1)
+    _check(o, l, ro, rl, "windows")
+    q[0, 3, 5, 7] = float("nan")
+    o, l = PF.flash(q, k, v, True, None, 0.1)
+    assert torch.isnan(o[0, 3, 5]).all() and torch.isnan(l[0, 3, 5])
+    o[0, 3, 5] = 0
+    l[0, 3, 5] = 0
+    assert not torch.isnan(o).any() and not torch.isnan(l).any()
+
+
+def test_eligibility():
+    q, k = torch.randn(1, 4, 8, 64).bfloat16(), torch.randn(1, 2, 8, 64).bfloat16()
+    assert PF.eligible(q, k, k, None) == PF.ENABLED
+    assert not PF.eligible(q.half(), k.half(), k.half(), None)
+    assert not PF.eligible(q[..., :32], k[..., :32], k[..., :32], None)             # D % 64
+    assert not PF.eligible(q, k, k, torch.zeros(8, 8))                                # float32 mask
+    assert not PF.eligible(q, k, k, torch.zeros(8, 16).bfloat16()[:, ::2])            # strided mask keys
+    assert not PF.eligible(q, k[:, :, :0], k[:, :, :0], None)                         # no keys
