@@ -3,8 +3,10 @@
 Every comparison runs the same call twice: through the prefill backend in the input dtype, and through the
 reference backend with every fp16/bf16 tensor upcast to float64 (portable mode) — the golden. Errors are
 measured against the golden with the acceptance tolerances of tests/util.py (rel 1e-2 for fp16/bf16
-outputs, lse abs 1e-3, +inf rows exactly). Each case runs with the default tiling and with tiny tiles
-(many blocks, ragged edges, chunked masks, the pse tile-skipping path forced on).
+outputs, lse abs 1e-3, +inf rows exactly). Each case runs with the default tiling, with tiny tiles
+(many blocks, ragged edges, chunked masks, the pse tile-skipping path forced on, 64-key tiles and items of
+one or two positions in the own bf16 kernel) and with ATen's kernel for bf16 too (the path of CPUs without
+AVX512-BF16).
 Padding past the actual lengths is NaN-poisoned: it must never be read.
 """
 from __future__ import annotations
@@ -20,7 +22,7 @@ import pytest
 import torch
 
 import fia
-from fia.backends import registry
+from fia.backends import prefill_flash, registry
 from fia.backends.prefill_plan import (CAUSAL, FULL, MASKED, RCAUSAL, band_dead_rows, dead_row_ranges,
                                        plan_batch)
 from fia.backends.prefill_pse import THRESH, needed_ranges
@@ -28,7 +30,7 @@ from util import assert_close, assert_lse, gen, randmask, randn, seed_of, templa
 
 BF16, F16, F32, F64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
 FIA = fia.npu_fused_infer_attention_score
-TILES = ("default", "small")
+TILES = ("default", "small", "aten")
 
 
 @pytest.fixture(autouse=True)
@@ -44,6 +46,10 @@ def tiles(request, monkeypatch):
         for k, v in dict(block_q=32, band_block_q=32, pse_rows=48, pse_tile=16, pse_skip_min=0,
                          mask_chunk_elems=4096).items():
             monkeypatch.setattr(be, k, v)
+        monkeypatch.setattr(prefill_flash, "KT", 64)               # own kernel: many tiles, ragged items
+        monkeypatch.setattr(prefill_flash, "ROWS_PER_ITEM", 5)
+    if request.param == "aten":                                    # ATen's kernel for bf16 too
+        monkeypatch.setattr(prefill_flash, "ENABLED", False)
     return request.param
 
 
