@@ -182,3 +182,35 @@ def test_eligibility():
     assert not PF.eligible(q, k, k, torch.zeros(8, 8))                                # float32 mask
     assert not PF.eligible(q, k, k, torch.zeros(8, 16).bfloat16()[:, ::2])            # strided mask keys
     assert not PF.eligible(q, k[:, :, :0], k[:, :, :0], None)                         # no keys
+
+
+@pytest.mark.skipif(not PF.ENABLED, reason="own prefill kernel disabled on this CPU")
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int8, torch.uint8, torch.float16])
+def test_flash_user_mask_in_place(dtype):
+    """A user mask [L, S] (nonzero = masked) read in place from a row-strided view of a larger mask, with a
+    band, fully masked rows and fully masked key tiles (skipped); float16: -0.0 keeps, NaN masks."""
+    torch.manual_seed(7)
+    N, H, L, S, D = 8, 2, 300, 700, 128
+    q, k, v = torch.randn(1, N, L, D).bfloat16(), torch.randn(1, H, S, D).bfloat16(), torch.randn(1, H, S, D).bfloat16()
+    masked = torch.rand(L + 5, S + 9) < 0.4
+    masked[:, 256:512] = True                                  # a whole key tile
+    masked[2 + 17] = True                                      # a row without any key (um row 17)
+    masked[202:262, :600] = True
+    if dtype == torch.float16:
+        big = torch.where(masked, torch.tensor(1.0), torch.tensor(-0.0)).half()
+        big[5, 9] = float("nan")
+        masked[5, 9] = True
+    else:
+        big = (masked.to(torch.int16) * (1 if dtype == torch.bool else 3)).to(dtype)
+    um = big[2:2 + L, 4:4 + S]                                  # row stride S + 9, offset into storage
+    keep = ~masked[2:2 + L, 4:4 + S]
+    assert PF.user_mask_ok(um)
+    band = (400, 150)
+    add = torch.zeros(L, S).masked_fill(~keep, float("-inf"))
+    out, lse = _poisoned(1, N, L, D)
+    o, l = PF.flash(q, k, v, False, None, 0.09, out=out, lse=lse, band=band, user_mask=um)
+    ro, rl = _ref(q, k, v, False, add, 0.09, band)
+    _check(o, l, ro, rl, dtype)
+    assert torch.isneginf(l[0, :, 17]).all() and (o[0, :, 17] == 0).all()
+    assert not PF.user_mask_ok(big[:, ::2])                     # strided keys: not read in place
+    assert not PF.user_mask_ok(big.float())

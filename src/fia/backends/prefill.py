@@ -157,12 +157,13 @@ class PrefillBackend(Backend):
             self._run_pse_skipping(p, b, g, q4, k4, v4, pse, dv, out, lse)
             return
         bias = None if pse is None else pse[None]                  # [1, N, S1, S2] view
-        if um is None and prefill_flash.eligible(q4, k4, v4, bias):
-            # the own kernel takes the band as geometry: one call for the whole window, keys outside the
-            # band never computed, no mask tiles
-            o, l = prefill_flash.flash(q4, k4, v4, False, bias, p.scale, band=band)   # [1, N, S1, E], [1, N, S1]
+        if prefill_flash.user_mask_ok(um) and prefill_flash.eligible(q4, k4, v4, bias):
+            # the own kernel takes the band as geometry and reads the user mask in place: one call for the
+            # whole window, keys outside the band and fully user-masked tiles never computed, no mask tiles
+            o, l = prefill_flash.flash(q4, k4, v4, False, bias, p.scale, band=band,
+                                       user_mask=um)                  # [1, N, S1, E], [1, N, S1]
             blk = BlockPlan(0, s1)
-            o, l = _special_rows(p, blk, band, s2, o[0, ..., :dv], l[0], vmean, False)
+            o, l = _special_rows(p, blk, band, s2, o[0, ..., :dv], l[0], vmean, um is not None)
             _write(p, b, g, 0, s1, o, l, out, lse)
             return
         batched = pse is None and um is None and q4.device.type == "cpu"

@@ -68,11 +68,35 @@ def _mask_flat(mask: Optional[torch.Tensor], shape):
     return flat.numpy().view(np.uint16), np.array([*m.stride()[:3], 1], np.int64)
 
 
+def user_mask_ok(um: Optional[torch.Tensor]) -> bool:
+    """Whether flash() reads this user mask ([L, S], nonzero = masked) in place."""
+    return um is None or (um.dim() == 2 and um.dtype in _UMASK_BYTES and
+                          (um.shape[-1] <= 1 or um.stride(-1) == 1) and um.device.type == "cpu")
+
+
+_UMASK_BYTES = {torch.bool: 1, torch.int8: 1, torch.uint8: 1, torch.float16: 2}
+
+
+def _user_flat(um: Optional[torch.Tensor]):
+    """(uint8 1-D NumPy view of the bytes the user mask addresses, int64 [3]: row stride in bytes, bytes per
+    element, 1 when there is a mask)."""
+    if um is None:
+        return np.zeros(1, np.uint8), np.zeros(3, np.int64)
+    es = _UMASK_BYTES[um.dtype]
+    rs = um.stride(0) if um.shape[0] > 1 else 0
+    span = (1 + (um.shape[0] - 1) * rs + (um.shape[1] - 1)) * es
+    flat = torch.as_strided(um.view(torch.uint8) if es == 1 else um.view(torch.int16), (span // es,), (1,),
+                            um.storage_offset())
+    return flat.numpy().view(np.uint8), np.array([rs * es, es, 1], np.int64)
+
+
 def flash(q, k, v, is_causal: bool, mask: Optional[torch.Tensor], scale: float, out=None, lse=None,
-          band=None):
+          band=None, user_mask=None):
     """See the module doc. Call only when eligible(q, k, v, mask). out / lse: contiguous buffers to write
     (tests poison them), else allocated. band (pre, next): row i keeps only keys i - pre <= j <= i + next
-    (with is_causal, next is capped at 0); keys outside are never computed."""
+    (with is_causal, next is capped at 0); keys outside are never computed. user_mask: [L, S] bool / int8 /
+    uint8 / float16, nonzero = masked, read in place (user_mask_ok), the same for every entry and head;
+    tiles it masks entirely are skipped."""
     from .decode import _launch
     from .prefill_kernels import flash_items, pack_items
     Bq, N, L, D = q.shape
@@ -102,5 +126,5 @@ def flash(q, k, v, is_causal: bool, mask: Optional[torch.Tensor], scale: float, 
         items = items.reshape(Bq * H, nqb)[:, ::-1].T.reshape(-1).copy()
     _launch(flash_items, items, min(threads, n_items),
             (_bits(q), kp, vp, out.view(torch.int16).numpy().view(np.uint16), lse.numpy(), mk,
-             ms, S, pre, nxt, float(scale), QB))
+             ms, *_user_flat(user_mask), S, pre, nxt, float(scale), QB))
     return out, lse

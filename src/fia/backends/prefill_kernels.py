@@ -63,12 +63,37 @@ def pack_items(items, counter, k16, v16, kp, vp, S):
                     vp[b, h, t, c2, d] = np.uint32(0)
 
 
+@njit(fastmath=FM, cache=True, inline="always")
+def _masked(ub, i, es):
+    """Whether the user-mask element at byte i masks its key: nonzero (bool / int8 / uint8, es = 1), or
+    a nonzero float16 value (es = 2; -0.0 keeps the key)."""
+    if es == 1:
+        return ub[i] != 0
+    return (ub[i] | (ub[i + 1] & np.uint8(0x7F))) != 0
+
+
 @njit(fastmath=FM, cache=True)
-def _softmax_row(sc, pb, o, m, l, r, jlo, jhi, c0, c1, scale, mask, mbase, Dv):
+def _tile_open(ub, us, i0, nq, k0, pre, nxt, c0, c1, nk):
+    """Whether some row i0 .. i0 + nq - 1 keeps a key of tile columns [c0, c1) (inside its band window, below
+    nk, and not user-masked). us: [row stride bytes, bytes per element, present]."""
+    for ii in range(nq):
+        i = i0 + ii
+        jlo = max(c0, i - pre - k0)
+        jhi = min(c1, nk, i + nxt + 1 - k0)
+        base = us[0] * i + us[1] * k0
+        for j in range(jlo, jhi):
+            if not _masked(ub, base + us[1] * j, us[1]):
+                return True
+    return False
+
+
+@njit(fastmath=FM, cache=True)
+def _softmax_row(sc, pb, o, m, l, r, jlo, jhi, c0, c1, scale, mask, mbase, ub, ubase, us, Dv):
     """Online softmax of row r over the tile's scores sc[r, jlo:jhi] (the other columns of the computed
     range [c0, c1) are masked): scores scaled (+ mask), running max / sum updated, the accumulator row
-    rescaled, bf16 probabilities into pb[r, c0:c1] (zeros outside [jlo, jhi)). mbase >= 0: the mask of
-    column jlo is mask[mbase] (unit stride along keys)."""
+    rescaled, bf16 probabilities into pb[r, c0:c1] (zeros outside [jlo, jhi)). mbase >= 0: the additive
+    mask of column jlo is mask[mbase] (unit stride along keys). ubase >= 0: the user mask (us[1] bytes per
+    element, see _masked) of column jlo starts at byte ub[ubase]; its masked keys score -inf."""
     lo, hi = np.uint64(jlo), np.uint64(max(jlo, jhi))
     for j in range(np.uint64(c0), lo):
         pb[r, j] = np.uint16(0)
@@ -81,6 +106,16 @@ def _softmax_row(sc, pb, o, m, l, r, jlo, jhi, c0, c1, scale, mask, mbase, Dv):
     else:
         for j in range(lo, hi):
             sc[r, j] = sc[r, j] * scale
+    if ubase >= 0:
+        u0 = np.uint64(ubase)
+        if us[1] == 1:
+            for j in range(lo, hi):
+                if ub[u0 + (j - lo)] != 0:
+                    sc[r, j] = np.float32(-np.inf)
+        else:
+            for j in range(lo, hi):
+                if _masked(ub, u0 + 2 * (j - lo), 2):
+                    sc[r, j] = np.float32(-np.inf)
     cm = max_f32(sc.ctypes.data + r * sc.strides[0] + 4 * jlo, hi - lo, np.float32(-np.inf), 0)
     mo = m[r]
     mx = cm if cm > mo else mo
@@ -104,14 +139,16 @@ def _softmax_row(sc, pb, o, m, l, r, jlo, jhi, c0, c1, scale, mask, mbase, Dv):
 
 
 @njit(nogil=True, cache=True)
-def flash_items(items, counter, q16, kp, vp, out16, lse, mask, ms, S, pre, nxt, scale, QB):
+def flash_items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pre, nxt, scale, QB):
     """Items it = (b * H + h) * nqb + qb (see the module doc), taken through the atomic `counter`.
     q16: [Bq, N, L, D] uint16 bits (any strides); kp / vp: pack_items' tiles; out16: [Bq, N, L, Dv] uint16;
     lse: [Bq, N, L] float32; mask: uint16 bits of an additive bf16 mask, element (b, n, i, j) at
     ms[0] * b + ms[1] * n + ms[2] * i + j (strides 0 where it broadcasts), read only when ms[3] != 0;
     row i keeps keys i - pre <= j <= i + nxt (top-left causal: nxt = 0, pre >= L; no band: both >= L + S).
-    Key tiles no row of an item keeps are skipped, and so are the 64-column blocks at either side of a
-    tile that no row keeps."""
+    ub / us: a user mask shared by all entries and heads (bytes of element (i, j) at us[0] * i + us[1] * j,
+    us[1] = 1: nonzero masks, 2: float16 nonzero masks; used when us[2] != 0). Key tiles no row of an item
+    keeps are skipped (band, then user mask), and so are the 64-column blocks at either side of a tile
+    that no row's band keeps."""
     H, nt, D2, KT = kp.shape[1], kp.shape[2], kp.shape[3], kp.shape[4]
     Dv = vp.shape[4]
     N, L = q16.shape[1], q16.shape[2]
@@ -158,6 +195,8 @@ def flash_items(items, counter, q16, kp, vp, out16, lse, mask, ms, S, pre, nxt, 
             c0 = (max(klo - k0, 0) // COLS) * COLS                  # computed columns [c0, c1) of the tile
             c1 = (min(khi - k0, KT) + COLS - 1) // COLS * COLS
             nk = min(KT, S - k0)                                     # keys that exist
+            if us[2] != 0 and not _tile_open(ub, us, i0, nq, k0, pre, nxt, c0, c1, nk):
+                continue                                             # every key of the tile user-masked
             gemm_bf16(qs.ctypes.data, D * 2, kp[b, h, t].ctypes.data + 4 * c0, KT * 4, D2,
                       sc.ctypes.data + 4 * c0, KT * 4, RP, c1 - c0, 0)
             for r in range(RP):
@@ -172,7 +211,10 @@ def flash_items(items, counter, q16, kp, vp, out16, lse, mask, ms, S, pre, nxt, 
                 mbase = -1
                 if ms[3] != 0:
                     mbase = ms[0] * b + ms[1] * (h * G + r // QB) + ms[2] * i + k0 + jlo
-                _softmax_row(sc, pb, o, m, l, r, jlo, jhi, c0, c1, sf, mask, mbase, Dv)
+                ubase = -1
+                if us[2] != 0:
+                    ubase = us[0] * i + us[1] * (k0 + jlo)
+                _softmax_row(sc, pb, o, m, l, r, jlo, jhi, c0, c1, sf, mask, mbase, ub, ubase, us, Dv)
             gemm_bf16(pb.ctypes.data + 2 * c0, KT * 2, vp[b, h, t].ctypes.data + (c0 // 2) * Dv * 4, Dv * 4,
                       (c1 - c0) // 2, o.ctypes.data, Dv * 4, RP, Dv, 1)
         for g in range(G):
