@@ -1,13 +1,14 @@
 """FIA's own bf16 prefill flash kernel (prefill_flash.flash, prefill_kernels, prefill_simd.gemm_bf16).
 
-* gemm_bf16, native vdpbf16ps (where the CPU has it) and the float32 emulation every other CPU compiles:
-  C = / += A . B against float64 on every row / column block count, with C poisoned (NaN) outside the
-  R x NCOL block it may write.
+* gemm_bf16 / gemm_f16, native (vdpbf16ps / vcvtph2ps where the CPU has them) and the emulations every
+  other CPU compiles: C = / += A . B against float64 on every row / column block count, with C poisoned
+  (NaN) outside the R x NCOL block it may write.
 * flash() against a float64 softmax on fresh random inputs: GQA, L != S, S not a multiple of the key tile or
   odd, Dv != D, top-left causal, additive bf16 masks (full, broadcast over batch / heads, -inf rows), query
   views with overlapping strides (the band path's batched calls); outputs NaN-poisoned before the call.
-  Tolerances: the probabilities are rounded to bf16 before the PV product (as in ATen's kernel and on the
-  hardware), ~2^-9 relative per weight -> 1e-2 of max |out|; lse (float32 throughout) 1e-4.
+  bf16 and float16. Tolerances: bf16 probabilities are rounded to bf16 before the PV product (as in ATen's
+  kernel and on the hardware), ~2^-9 relative per weight -> 1e-2 of max |out|; float16 (float32
+  probabilities) 2e-3; lse (float32 throughout) 1e-4.
 * rows without any finite score: output 0, lse -inf; NaN in the query propagates to its rows only.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ numba = pytest.importorskip("numba")
 from numba import njit  # noqa: E402
 from kernel_util import compiling_with, frozen, once_under_decode  # noqa: E402,F401
 
+from fia.backends import decode_fma as DF  # noqa: E402
 from fia.backends import decode_simd as DS  # noqa: E402
 from fia.backends import prefill_flash as PF  # noqa: E402
 from fia.backends import prefill_simd as PS  # noqa: E402
@@ -38,6 +40,39 @@ def _gemm(native: bool):
 
 
 MODES = [False] + ([True] if DS._HOST_DP else [])
+
+
+def _gemm16(native: bool):
+    with compiling_with(DF, "F16C", native):
+        @njit
+        def g(a, b, c, nk, R, ncol, acc):
+            PS.gemm_f16(a.ctypes.data, a.strides[0], b.ctypes.data, b.strides[0], nk, c.ctypes.data,
+                        c.strides[0], R, ncol, acc)
+        g(np.zeros((6, 1), np.float32), np.zeros((1, 64), np.uint16), np.zeros((6, 64), np.float32), 1, 6, 64, 0)
+    return frozen(g)[0]
+
+
+@pytest.mark.parametrize("native", [False] + ([True] if DF.F16C else []), ids=lambda m: "native" if m else "emulated")
+def test_gemm_f16(native):
+    """float32 A x float16 B (widened in registers), C = / +=, NaN-poisoned outside R x NCOL."""
+    g = _gemm16(native)
+    rng = np.random.default_rng(2)
+    for R, ncol, nk, acc in [(6, 64, 1, 0), (12, 128, 128, 1), (18, 192, 37, 0), (30, 64, 256, 1)]:
+        a = rng.standard_normal((R + 3, nk + 5)).astype(np.float32)
+        bm = torch.randn(nk + 2, ncol + 32).half()
+        bb = bm.view(torch.int16).numpy().view(np.uint16)
+        c = np.full((R + 2, ncol + 16), np.nan, np.float32)
+        c0 = rng.standard_normal((R, ncol)).astype(np.float32)
+        if acc:
+            c[:R, :ncol] = c0
+        g(a, bb, c, nk, R, ncol, acc)
+        ref = torch.from_numpy(a[:R, :nk]).double() @ bm[:nk, :ncol].double()
+        if acc:
+            ref = ref + torch.from_numpy(c0).double()
+        bound = torch.from_numpy(np.abs(a[:R, :nk])).double() @ bm[:nk, :ncol].double().abs() + 1
+        err = (torch.from_numpy(c[:R, :ncol]).double() - ref).abs() / bound
+        assert err.max().item() < 1e-6, (R, ncol, nk, acc)
+        assert np.isnan(c[R:]).all() and np.isnan(c[:, ncol:]).all()
 
 
 @pytest.mark.parametrize("native", MODES, ids=lambda m: "native" if m else "emulated")
@@ -85,14 +120,14 @@ def _ref(q, k, v, causal, mask, scale, band=None):
     return p @ vv, lse
 
 
-def _poisoned(B, N, L, Dv):
-    return torch.full((B, N, L, Dv), float("nan")).bfloat16(), torch.full((B, N, L), float("nan"))
+def _poisoned(B, N, L, Dv, dt=torch.bfloat16):
+    return torch.full((B, N, L, Dv), float("nan")).to(dt), torch.full((B, N, L), float("nan"))
 
 
-def _check(o, lse, ro, rl, tag):
+def _check(o, lse, ro, rl, tag, tol=1e-2):
     scale = ro.abs().max().item() + 1e-30
     assert not torch.isnan(o).any() and not torch.isnan(lse).any(), tag
-    assert (o.double() - ro).abs().max().item() <= 1e-2 * scale, tag
+    assert (o.double() - ro).abs().max().item() <= tol * scale, tag
     fin = torch.isfinite(rl)
     assert torch.equal(torch.isfinite(lse), fin), tag
     if fin.any():
@@ -117,32 +152,36 @@ CASES = [  # B, N, KV_N, L, S, D, Dv, causal, mask[, band]
 ]
 
 
-@pytest.mark.skipif(not PF.ENABLED, reason="own prefill kernel disabled on this CPU")
+DTYPES = [d for d, on in ((torch.bfloat16, PF.ENABLED), (torch.float16, PF.ENABLED_F16)) if on]
+
+
+@pytest.mark.skipif(not DTYPES, reason="own prefill kernel disabled on this CPU")
+@pytest.mark.parametrize("dt", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-def test_flash_matches_float64(case):
+def test_flash_matches_float64(case, dt):
     B, N, H, L, S, D, Dv, causal, mk = case[:9]
     band = case[9] if len(case) > 9 else None
     torch.manual_seed(hash(case) % 1000)
-    q = torch.randn(B, N, L, D).bfloat16()
-    k = torch.randn(B, H, S, D).bfloat16()
-    v = torch.randn(B, H, S, Dv).bfloat16()
+    q = torch.randn(B, N, L, D).to(dt)
+    k = torch.randn(B, H, S, D).to(dt)
+    v = torch.randn(B, H, S, Dv).to(dt)
     mask = None
     if mk == "full":
-        mask = (torch.randn(B, N, L, S) * 2).bfloat16()
+        mask = (torch.randn(B, N, L, S) * 2).to(dt)
     elif mk == "bcast":
-        mask = (torch.randn(1, 1, L, S) * 3).bfloat16()
+        mask = (torch.randn(1, 1, L, S) * 3).to(dt)
     elif mk == "rows":                                         # some rows fully masked, some keys cut
         mask = torch.zeros(1, N, L, S)
         mask[:, :, ::7] = float("-inf")
         mask[:, :, :, ::3] = float("-inf")
-        mask = mask.bfloat16()
+        mask = mask.to(dt)
     scale = 1 / math.sqrt(D)
     assert PF.eligible(q, k, v, mask)
-    out, lse = _poisoned(B, N, L, Dv)
+    out, lse = _poisoned(B, N, L, Dv, dt)
     o, l = PF.flash(q, k, v, causal, mask, scale, out=out, lse=lse, band=band)
     assert o is out and l is lse
     ro, rl = _ref(q, k, v, causal, mask, scale, band)
-    _check(o, l, ro, rl, case)
+    _check(o, l, ro, rl, case, 1e-2 if dt == torch.bfloat16 else 2e-3)
     if mk == "rows":
         assert (o[:, :, ::7] == 0).all() and torch.isneginf(l[:, :, ::7]).all()
 
@@ -177,7 +216,10 @@ def test_flash_overlapping_query_views_and_nan():
 def test_eligibility():
     q, k = torch.randn(1, 4, 8, 64).bfloat16(), torch.randn(1, 2, 8, 64).bfloat16()
     assert PF.eligible(q, k, k, None) == PF.ENABLED
-    assert not PF.eligible(q.half(), k.half(), k.half(), None)
+    assert PF.eligible(q.half(), k.half(), k.half(), None) == PF.ENABLED_F16
+    assert not PF.eligible(q.float(), k.float(), k.float(), None)
+    assert not PF.eligible(q.half(), k, k, None)                                      # mixed dtypes
+    assert not PF.eligible(q, k, k, torch.zeros(8, 8).half())                         # mask dtype != q's
     assert not PF.eligible(q[..., :32], k[..., :32], k[..., :32], None)             # D % 64
     assert not PF.eligible(q, k, k, torch.zeros(8, 8))                                # float32 mask
     assert not PF.eligible(q, k, k, torch.zeros(8, 16).bfloat16()[:, ::2])            # strided mask keys

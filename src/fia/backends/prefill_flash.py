@@ -1,10 +1,12 @@
-"""FIA's own bf16 flash-attention kernel for the prefill backend (CPUs with AVX512-BF16).
+"""FIA's own flash-attention kernel for the prefill backend: bf16 (CPUs with AVX512-BF16) and float16.
 
 A drop-in for the calls prefill.py makes to ATen's CPU flash kernel, with the same contract:
     flash(q [Bq, N, L, D], k [Bq, KV_N, S, D], v [Bq, KV_N, S, Dv], is_causal, mask, scale)
       -> out [Bq, N, L, Dv] (q's dtype), lse [Bq, N, L] float32
     S = scale · Q Kᵀ (+ mask, additive, broadcast to [Bq, N, L, S]); top-left causal j <= i when is_causal;
-    out = softmax(S) V with float32 accumulators and the probabilities rounded to bf16 before the PV product.
+    out = softmax(S) V with float32 accumulators; bf16: the probabilities rounded to bf16 before the PV
+    product (`vdpbf16ps`, as ATen and the hardware); float16: K / V widened to float32 in registers, float32
+    probabilities and FMAs (no fp16 dot product on the CPUs measured; as the decode backend's fp16 path).
 Differences: a row with no finite score gets lse -inf (ATen reports 0), and Dv may differ from D.
 
 Why: on the measured machine ATen's kernel runs the benchmark's bf16 prefill at ~35 % of the bf16 matmul
@@ -13,8 +15,9 @@ Per call: K and V are packed once into the tiles the GEMM reads (pack_items, in 
 V), then the (batch entry, kv head, query block) items run on the decode backend's thread pool with dynamic
 scheduling, causal items longest first.
 
-`eligible` says when the kernel applies: CPU tensors, bf16 q / k / v (and mask), head dims multiples of 64,
-the CPU has AVX512-BF16 (or FIA_DECODE_DP=1 forces the emulated instruction, for tests).
+`eligible` says when the kernel applies: CPU tensors, bf16 or float16 q / k / v (mask / bias in the same
+dtype), head dims multiples of 64; bf16 where the CPU has AVX512-BF16, float16 where it has AVX-512 and F16C
+(FIA_PREFILL_OWN=1 forces both, emulated where the instructions are missing; =0 turns the kernel off).
 """
 from __future__ import annotations
 
@@ -24,20 +27,24 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .prefill_simd import HAS_DP
+from .decode_simd import target_has
+from .prefill_simd import F16C, HAS_DP
 
 KT = 256            # keys per tile (scores [rows, KT] float32 stay in L2 with the packed K / V tiles)
 ROWS_PER_ITEM = 96  # query rows (GQA heads x positions) per work item
-# FIA_PREFILL_OWN: "0" never use this kernel, "1" always where eligible (emulated without AVX512-BF16)
+# FIA_PREFILL_OWN: "0" never use this kernel, "1" always where eligible (emulated without AVX512-BF16 / F16C);
+# unset: bf16 where the CPU has AVX512-BF16, float16 where it has AVX-512 and F16C
 _MODE = os.environ.get("FIA_PREFILL_OWN", "")
 ENABLED = {"0": False, "1": True}.get(_MODE, HAS_DP)
+ENABLED_F16 = {"0": False, "1": True}.get(_MODE, F16C and target_has("avx512f"))
 
 
 def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> bool:
     """Whether flash() computes this call (else the caller uses ATen's kernel)."""
-    if not ENABLED:
+    dt = q.dtype
+    if not (ENABLED if dt == torch.bfloat16 else ENABLED_F16 if dt == torch.float16 else False):
         return False
-    if q.device.type != "cpu" or not (q.dtype == k.dtype == v.dtype == torch.bfloat16):
+    if q.device.type != "cpu" or not (dt == k.dtype == v.dtype):
         return False
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return False
@@ -46,14 +53,14 @@ def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[t
         return False
     if q.shape[1] % k.shape[1] or k.shape[0] != q.shape[0] or v.shape[:3] != k.shape[:3] or k.shape[2] == 0:
         return False
-    if mask is not None and (mask.dtype != torch.bfloat16 or mask.dim() > 4 or
+    if mask is not None and (mask.dtype != dt or mask.dim() > 4 or
                              (mask.shape[-1] > 1 and mask.stride(-1) != 1)):
         return False                # (a mask with strided keys would need a copy of O(L x S))
     return True
 
 
 def _bits(x: torch.Tensor) -> np.ndarray:
-    """uint16 view (NumPy, same strides) of a bf16 tensor's elements."""
+    """uint16 view (NumPy, same strides) of a bf16 / float16 tensor's elements."""
     return x.view(torch.int16).numpy().view(np.uint16)
 
 
@@ -98,19 +105,25 @@ def flash(q, k, v, is_causal: bool, mask: Optional[torch.Tensor], scale: float, 
     uint8 / float16, nonzero = masked, read in place (user_mask_ok), the same for every entry and head;
     tiles it masks entirely are skipped."""
     from .decode import _launch
-    from .prefill_kernels import flash_items, pack_items
+    from .prefill_kernels import flash_items, pack_items, pack_items_f16
     Bq, N, L, D = q.shape
     H, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = N // H
     nt = (S + KT - 1) // KT
+    f16 = q.dtype == torch.float16
     threads = max(1, torch.get_num_threads())
-    kp = np.empty((Bq, H, nt, D // 2, KT), np.uint32)       # [Bq, H, nt, D/2, KT] packed key tiles
-    vp = np.empty((Bq, H, nt, KT // 2, Dv), np.uint32)      # [Bq, H, nt, KT/2, Dv] packed value tiles
+    if f16:
+        kp = np.empty((Bq, H, nt, D, KT), np.uint16)         # [Bq, H, nt, D, KT] key tiles transposed
+        vp = np.empty((Bq, H, nt, KT, Dv), np.uint16)        # [Bq, H, nt, KT, Dv] value tiles
+    else:
+        kp = np.empty((Bq, H, nt, D // 2, KT), np.uint32)    # [Bq, H, nt, D/2, KT] packed key tiles
+        vp = np.empty((Bq, H, nt, KT // 2, Dv), np.uint32)   # [Bq, H, nt, KT/2, Dv] packed value tiles
     k16, v16 = _bits(k), _bits(v)
     n_pack = Bq * H * nt
-    _launch(pack_items, np.arange(n_pack, dtype=np.int64), min(threads, n_pack), (k16, v16, kp, vp, S))
+    _launch(pack_items_f16 if f16 else pack_items, np.arange(n_pack, dtype=np.int64), min(threads, n_pack),
+            (k16, v16, kp, vp, S))
     if out is None:
-        out = torch.empty((Bq, N, L, Dv), dtype=torch.bfloat16)   # [Bq, N, L, Dv]
+        out = torch.empty((Bq, N, L, Dv), dtype=q.dtype)          # [Bq, N, L, Dv]
     if lse is None:
         lse = torch.empty((Bq, N, L), dtype=torch.float32)        # [Bq, N, L]
     mk, ms = _mask_flat(mask, (Bq, N, L, S))
@@ -126,5 +139,5 @@ def flash(q, k, v, is_causal: bool, mask: Optional[torch.Tensor], scale: float, 
         items = items.reshape(Bq * H, nqb)[:, ::-1].T.reshape(-1).copy()
     _launch(flash_items, items, min(threads, n_items),
             (_bits(q), kp, vp, out.view(torch.int16).numpy().view(np.uint16), lse.numpy(), mk,
-             ms, *_user_flat(user_mask), S, pre, nxt, float(scale), QB))
+             ms, *_user_flat(user_mask), S, pre, nxt, float(scale), QB, f16))
     return out, lse

@@ -15,13 +15,14 @@ element, decode_kernels.load_rows).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.extending import overload
 
-from .decode_kernels import FM, _fetch_add, bf16_to_f32, f32_to_bf16_bits, fexp
+from .decode_kernels import FM, _fetch_add, bf16_to_f32, f32_to_bf16_bits, f32_to_half_bits, fexp, fp16_to_f32
 from .decode_simd import max_f32
-from .prefill_simd import COLS, ROWS, gemm_bf16
+from .prefill_simd import COLS, ROWS, gemm_bf16, gemm_f16
 
-__all__ = ["COLS", "ROWS", "pack_items", "flash_items"]
+__all__ = ["COLS", "ROWS", "pack_items", "pack_items_f16", "flash_items"]
 
 
 @njit(nogil=True, cache=True)
@@ -63,6 +64,82 @@ def pack_items(items, counter, k16, v16, kp, vp, S):
                     vp[b, h, t, c2, d] = np.uint32(0)
 
 
+@njit(nogil=True, cache=True)
+def pack_items_f16(items, counter, k16, v16, kp, vp, S):
+    """pack_items for float16: kp[b, h, t, d, c] = K[key t * KT + c, d] (the tile transposed), vp[b, h, t, c, d]
+    = V[key t * KT + c, d]; keys >= S are zero. kp: uint16 [Bq, H, nt, D, KT]; vp: uint16 [Bq, H, nt, KT, Dv]."""
+    H, nt, D, KT = kp.shape[1], kp.shape[2], kp.shape[3], kp.shape[4]
+    Dv = vp.shape[4]
+    n_items = items.shape[0]
+    while True:
+        i = _fetch_add(counter, 0, 1)
+        if i >= n_items:
+            break
+        it = items[i]
+        t = it % nt
+        h = (it // nt) % H
+        b = it // (nt * H)
+        k0 = t * KT
+        for c in range(KT):
+            key = k0 + c
+            if key < S:
+                for d in range(D):
+                    kp[b, h, t, d, c] = k16[b, h, key, d]
+                for d in range(Dv):
+                    vp[b, h, t, c, d] = v16[b, h, key, d]
+            else:
+                for d in range(D):
+                    kp[b, h, t, d, c] = np.uint16(0)
+                for d in range(Dv):
+                    vp[b, h, t, c, d] = np.uint16(0)
+
+
+def _pval(pb, e):
+    """The probability e as stored for the PV product: bf16 bits (uint16 scratch) or float32 (float16 calls)."""
+
+
+@overload(_pval, jit_options={"fastmath": FM})
+def _pval_impl(pb, e):
+    if pb.dtype == types.uint16:
+        return lambda pb, e: f32_to_bf16_bits(e)
+    return lambda pb, e: e
+
+
+def _qk(qs, kt, c0, c1, sc, RP, KT, D):
+    """sc[:RP, c0:c1] = qs . key tile at address kt (bf16 query bits: packed pairs; float32 query: float16 K^T)."""
+
+
+@overload(_qk)
+def _qk_impl(qs, kt, c0, c1, sc, RP, KT, D):
+    if qs.dtype == types.uint16:
+        def impl(qs, kt, c0, c1, sc, RP, KT, D):
+            gemm_bf16(qs.ctypes.data, D * 2, kt + 4 * c0, KT * 4, D // 2, sc.ctypes.data + 4 * c0, KT * 4, RP,
+                      c1 - c0, 0)
+        return impl
+
+    def impl_f16(qs, kt, c0, c1, sc, RP, KT, D):
+        gemm_f16(qs.ctypes.data, D * 4, kt + 2 * c0, KT * 2, D, sc.ctypes.data + 4 * c0, KT * 4, RP, c1 - c0, 0)
+    return impl_f16
+
+
+def _pv(pb, vt, c0, c1, o, RP, KT, Dv):
+    """o[:RP] += pb[:, c0:c1] . value tile at address vt (bf16 pairs packed, or float16 rows)."""
+
+
+@overload(_pv)
+def _pv_impl(pb, vt, c0, c1, o, RP, KT, Dv):
+    if pb.dtype == types.uint16:
+        def impl(pb, vt, c0, c1, o, RP, KT, Dv):
+            gemm_bf16(pb.ctypes.data + 2 * c0, KT * 2, vt + (c0 // 2) * Dv * 4, Dv * 4, (c1 - c0) // 2,
+                      o.ctypes.data, Dv * 4, RP, Dv, 1)
+        return impl
+
+    def impl_f16(pb, vt, c0, c1, o, RP, KT, Dv):
+        gemm_f16(pb.ctypes.data + 4 * c0, KT * 4, vt + c0 * Dv * 2, Dv * 2, c1 - c0, o.ctypes.data, Dv * 4, RP,
+                 Dv, 1)
+    return impl_f16
+
+
 @njit(fastmath=FM, cache=True, inline="always")
 def _masked(ub, i, es):
     """Whether the user-mask element at byte i masks its key: nonzero (bool / int8 / uint8, es = 1), or
@@ -88,18 +165,22 @@ def _tile_open(ub, us, i0, nq, k0, pre, nxt, c0, c1, nk):
 
 
 @njit(fastmath=FM, cache=True)
-def _softmax_row(sc, pb, o, m, l, r, jlo, jhi, c0, c1, scale, mask, mbase, ub, ubase, us, Dv):
+def _softmax_row(sc, pb, o, m, l, r, jlo, jhi, c0, c1, scale, mask, mbase, mf16, ub, ubase, us, Dv):
     """Online softmax of row r over the tile's scores sc[r, jlo:jhi] (the other columns of the computed
     range [c0, c1) are masked): scores scaled (+ mask), running max / sum updated, the accumulator row
-    rescaled, bf16 probabilities into pb[r, c0:c1] (zeros outside [jlo, jhi)). mbase >= 0: the additive
-    mask of column jlo is mask[mbase] (unit stride along keys). ubase >= 0: the user mask (us[1] bytes per
+    rescaled, probabilities into pb[r, c0:c1] (_pval; zeros outside [jlo, jhi)). mbase >= 0: the additive
+    mask of column jlo is mask[mbase] (unit stride along keys; bf16 bits, float16 bits when mf16). ubase >= 0: the user mask (us[1] bytes per
     element, see _masked) of column jlo starts at byte ub[ubase]; its masked keys score -inf."""
     lo, hi = np.uint64(jlo), np.uint64(max(jlo, jhi))
     for j in range(np.uint64(c0), lo):
-        pb[r, j] = np.uint16(0)
+        pb[r, j] = 0
     for j in range(hi, np.uint64(c1)):
-        pb[r, j] = np.uint16(0)
-    if mbase >= 0:
+        pb[r, j] = 0
+    if mbase >= 0 and mf16:
+        mb = np.uint64(mbase) - lo
+        for j in range(lo, hi):
+            sc[r, j] = sc[r, j] * scale + fp16_to_f32(mask[mb + j])
+    elif mbase >= 0:
         mb = np.uint64(mbase) - lo
         for j in range(lo, hi):
             sc[r, j] = sc[r, j] * scale + bf16_to_f32(mask[mb + j])
@@ -121,7 +202,7 @@ def _softmax_row(sc, pb, o, m, l, r, jlo, jhi, c0, c1, scale, mask, mbase, ub, u
     mx = cm if cm > mo else mo
     if mx == np.float32(-np.inf):                      # nothing finite yet: the row stays empty ...
         for j in range(lo, hi):
-            pb[r, j] = np.uint16(0)
+            pb[r, j] = 0
             if sc[r, j] != sc[r, j]:                   # ... unless a score is NaN (max_f32 skips NaN)
                 l[r] = np.float32(np.nan)
         return
@@ -130,7 +211,7 @@ def _softmax_row(sc, pb, o, m, l, r, jlo, jhi, c0, c1, scale, mask, mbase, ub, u
     for j in range(lo, hi):
         e = fexp(sc[r, j] - mx)
         ls += e
-        pb[r, j] = f32_to_bf16_bits(e)
+        pb[r, j] = _pval(pb, e)
     l[r] = l[r] * alpha + ls
     m[r] = mx
     if alpha != np.float32(1.0):
@@ -139,27 +220,40 @@ def _softmax_row(sc, pb, o, m, l, r, jlo, jhi, c0, c1, scale, mask, mbase, ub, u
 
 
 @njit(nogil=True, cache=True)
-def flash_items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pre, nxt, scale, QB):
+def flash_items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pre, nxt, scale, QB, f16):
     """Items it = (b * H + h) * nqb + qb (see the module doc), taken through the atomic `counter`.
-    q16: [Bq, N, L, D] uint16 bits (any strides); kp / vp: pack_items' tiles; out16: [Bq, N, L, Dv] uint16;
-    lse: [Bq, N, L] float32; mask: uint16 bits of an additive bf16 mask, element (b, n, i, j) at
+    q16: [Bq, N, L, D] uint16 bits (any strides) of bf16, or float16 when f16; kp / vp: pack_items' (pack_items_f16')
+    tiles; out16: [Bq, N, L, Dv] uint16 bits (the query's dtype);
+    lse: [Bq, N, L] float32; mask: uint16 bits of an additive mask in the query's dtype, element (b, n, i, j) at
     ms[0] * b + ms[1] * n + ms[2] * i + j (strides 0 where it broadcasts), read only when ms[3] != 0;
     row i keeps keys i - pre <= j <= i + nxt (top-left causal: nxt = 0, pre >= L; no band: both >= L + S).
     ub / us: a user mask shared by all entries and heads (bytes of element (i, j) at us[0] * i + us[1] * j,
     us[1] = 1: nonzero masks, 2: float16 nonzero masks; used when us[2] != 0). Key tiles no row of an item
     keeps are skipped (band, then user mask), and so are the 64-column blocks at either side of a tile
     that no row's band keeps."""
-    H, nt, D2, KT = kp.shape[1], kp.shape[2], kp.shape[3], kp.shape[4]
+    H, nt, KT = kp.shape[1], kp.shape[2], kp.shape[4]
+    N, L, D = q16.shape[1], q16.shape[2], q16.shape[3]
+    RP = ((N // H) * QB + ROWS - 1) // ROWS * ROWS
+    if f16:     # float32 query rows and probabilities (the GEMMs widen float16 K / V)
+        _items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pre, nxt, scale, QB,
+               np.zeros((RP, D), np.float32), np.zeros((RP, KT), np.float32), True)
+    else:       # bf16 bits of the query rows and probabilities (vdpbf16ps operands)
+        _items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pre, nxt, scale, QB,
+               np.zeros((RP, D), np.uint16), np.zeros((RP, KT), np.uint16), False)
+
+
+@njit(nogil=True, cache=True)
+def _items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pre, nxt, scale, QB, qs, pb, f16):
+    """flash_items' loop with its query-row scratch qs [RP, D] and probability scratch pb [RP, KT] (their
+    dtypes choose the GEMMs: _qk, _pv, _pval)."""
+    H, nt, KT = kp.shape[1], kp.shape[2], kp.shape[4]
     Dv = vp.shape[4]
-    N, L = q16.shape[1], q16.shape[2]
-    D = 2 * D2
+    N, L, D = q16.shape[1], q16.shape[2], q16.shape[3]
     G = N // H
     nqb = (L + QB - 1) // QB
     RB = G * QB
-    RP = (RB + ROWS - 1) // ROWS * ROWS
-    qs = np.zeros((RP, D), np.uint16)             # the item's query rows (padding rows stay 0)
+    RP = qs.shape[0]
     sc = np.empty((RP, KT), np.float32)           # scores of one tile
-    pb = np.zeros((RP, KT), np.uint16)            # bf16 probabilities of one tile
     o = np.empty((RP, Dv), np.float32)            # accumulators
     m = np.empty(RP, np.float32)
     l = np.empty(RP, np.float32)
@@ -178,12 +272,15 @@ def flash_items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pr
         for g in range(G):
             for ii in range(QB):
                 r = g * QB + ii
-                if ii < nq:
+                if ii < nq and f16:
+                    for d in range(D):
+                        qs[r, d] = fp16_to_f32(q16[b, h * G + g, i0 + ii, d])
+                elif ii < nq:
                     for d in range(D):
                         qs[r, d] = q16[b, h * G + g, i0 + ii, d]
                 else:
                     for d in range(D):
-                        qs[r, d] = np.uint16(0)
+                        qs[r, d] = 0
         o[:, :] = np.float32(0.0)
         m[:] = np.float32(-np.inf)
         l[:] = np.float32(0.0)
@@ -197,13 +294,12 @@ def flash_items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pr
             nk = min(KT, S - k0)                                     # keys that exist
             if us[2] != 0 and not _tile_open(ub, us, i0, nq, k0, pre, nxt, c0, c1, nk):
                 continue                                             # every key of the tile user-masked
-            gemm_bf16(qs.ctypes.data, D * 2, kp[b, h, t].ctypes.data + 4 * c0, KT * 4, D2,
-                      sc.ctypes.data + 4 * c0, KT * 4, RP, c1 - c0, 0)
+            _qk(qs, kp[b, h, t].ctypes.data, c0, c1, sc, RP, KT, D)
             for r in range(RP):
                 ii = r % QB
                 if r >= RB or ii >= nq:
                     for j in range(c0, c1):
-                        pb[r, j] = np.uint16(0)
+                        pb[r, j] = 0
                     continue
                 i = i0 + ii
                 jlo = min(max(c0, i - pre - k0), c1)
@@ -214,23 +310,22 @@ def flash_items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pr
                 ubase = -1
                 if us[2] != 0:
                     ubase = us[0] * i + us[1] * (k0 + jlo)
-                _softmax_row(sc, pb, o, m, l, r, jlo, jhi, c0, c1, sf, mask, mbase, ub, ubase, us, Dv)
-            gemm_bf16(pb.ctypes.data + 2 * c0, KT * 2, vp[b, h, t].ctypes.data + (c0 // 2) * Dv * 4, Dv * 4,
-                      (c1 - c0) // 2, o.ctypes.data, Dv * 4, RP, Dv, 1)
+                _softmax_row(sc, pb, o, m, l, r, jlo, jhi, c0, c1, sf, mask, mbase, f16, ub, ubase, us, Dv)
+            _pv(pb, vp[b, h, t].ctypes.data, c0, c1, o, RP, KT, Dv)
         for g in range(G):
             n = h * G + g
             for ii in range(nq):
                 r = g * QB + ii
-                if l[r] > np.float32(0.0):
-                    inv = np.float32(1.0) / l[r]
+                if l[r] == np.float32(0.0):                  # no key: 0 (even where P = 0 met a NaN value)
+                    for d in range(Dv):
+                        out16[b, n, i0 + ii, d] = 0
+                    lse[b, n, i0 + ii] = np.float32(-np.inf)
+                    continue
+                inv = np.float32(1.0) / l[r]                 # l NaN: a NaN row, as the products give
+                if f16:
+                    for d in range(Dv):
+                        out16[b, n, i0 + ii, d] = f32_to_half_bits(o[r, d] * inv)
+                else:
                     for d in range(Dv):
                         out16[b, n, i0 + ii, d] = f32_to_bf16_bits(o[r, d] * inv)
-                    lse[b, n, i0 + ii] = m[r] + np.log(l[r])
-                elif l[r] == np.float32(0.0):
-                    for d in range(Dv):
-                        out16[b, n, i0 + ii, d] = np.uint16(0)
-                    lse[b, n, i0 + ii] = np.float32(-np.inf)
-                else:                                   # NaN sum: NaN row, as the products give
-                    for d in range(Dv):
-                        out16[b, n, i0 + ii, d] = f32_to_bf16_bits(o[r, d] / l[r])
-                    lse[b, n, i0 + ii] = m[r] + np.log(l[r])
+                lse[b, n, i0 + ii] = m[r] + np.log(l[r])

@@ -1,4 +1,4 @@
-"""bf16 GEMM micro-kernel of the prefill flash kernel (AVX512-BF16 `vdpbf16ps`), emitted as LLVM IR.
+"""GEMM micro-kernels of the prefill flash kernel (bf16: AVX512-BF16 `vdpbf16ps`; fp16: widen + FMA), as LLVM IR.
 
 Why: ATen's CPU flash kernel (what SDPA runs) reaches ~35 % of this machine's bf16 matmul rate on the
 benchmark's prefill cases (docs/PERF_PREFILL.md, session 6); a register-blocked `vdpbf16ps` loop reaches
@@ -14,24 +14,51 @@ columns (24 accumulators): per pair step 4 loads of B, 6 broadcasts of A, 24 `vd
 multiple of 6 and NCOL of 64 (the callers pad their scratch). Products of bf16 values are exact in float32;
 the sums accumulate in float32 (bf16 subnormals count as zero, as in decode_simd).
 
+`gemm_f16`: the same blocks for float16 operands (no fp16 dot product on the CPUs measured): A float32 rows
+(the query converted once per item, the probabilities unrounded), B float16 rows widened in registers
+(`vcvtph2ps`), float32 FMAs (a key tile transposed [D, keys] for QK, value rows [keys, Dv] for PV).
+
 Numba's on-disk cache keys prefill_kernels' compiled functions on prefill_kernels.py alone: after editing
 this file (or decode_simd), touch prefill_kernels.py so the kernels are rebuilt.
 """
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .decode_simd import HAS_DP, I32, V16I, ZERO16, _c, _dp, _gep, _load, _outlined, _ptr, _splat, _store, _var
+from .decode_fma import F16C, _fma, _widen
+from .decode_simd import (HAS_DP, I32, KIND_FP16, V16F, V16I, ZERO16, _c, _dp, _gep, _load, _outlined, _ptr,
+                          _splat, _store, _var)
 
 NR, NJ = 6, 4                 # rows x 16-column vectors per register block (24 of the 32 zmm registers)
 ROWS = NR                     # R must be a multiple of this
 COLS = 16 * NJ                # NCOL must be a multiple of this
-__all__ = ["HAS_DP", "ROWS", "COLS", "gemm_bf16"]
+__all__ = ["F16C", "HAS_DP", "ROWS", "COLS", "gemm_bf16", "gemm_f16"]
 
 
-def _block(b, a0, a_rs, bp0, b_rs, npair, c0, c_rs, acc_in):
+class _Op(NamedTuple):
+    """What a GEMM variant loads and multiplies (see _block)."""
+    b_vec: int           # bytes of B per 16-column vector (and 16 x bytes per column)
+    load_b: Callable     # (b, p) -> <16 x float or i32> B operand at byte p
+    madd: Callable       # (b, acc, splat A dword / float as <16 x i32>, B operand) -> acc
+
+
+def _dp_madd(b, acc, wv, bv):
+    return _dp(b, acc, wv, bv)
+
+
+def _fma_madd(b, acc, wv, bv):
+    return _fma(b, b.bitcast(wv, V16F), bv, acc)
+
+
+_BF16 = _Op(64, lambda b, p: _load(b, p, V16I, 4), _dp_madd)
+_F16 = _Op(32, lambda b, p: _widen(b, p, KIND_FP16), _fma_madd)
+
+
+def _block(b, op, a0, a_rs, bp0, b_rs, npair, c0, c_rs, acc_in):
     """One NR x COLS block: A rows at a0, B columns starting at bp0, C at c0."""
     crow = [_gep(b, _ptr(b, c0), b.mul(c_rs, _c(r))) for r in range(NR)]
     if acc_in:
@@ -43,23 +70,18 @@ def _block(b, a0, a_rs, bp0, b_rs, npair, c0, c_rs, acc_in):
     with cgutils.for_range(b, npair) as lp:
         p = lp.index
         brow = _gep(b, _ptr(b, bp0), b.mul(p, b_rs))
-        bv = [_load(b, _gep(b, brow, _c(64 * j)), V16I, 4) for j in range(NJ)]
+        bv = [op.load_b(b, _gep(b, brow, _c(op.b_vec * j))) for j in range(NJ)]
         for r in range(NR):
             w = b.load(b.bitcast(_gep(b, arow[r], b.mul(p, _c(4))), I32.as_pointer()), align=2)
             wv = _splat(b, w, 16)
             for j in range(NJ):
-                b.store(_dp(b, b.load(accs[r][j]), wv, bv[j]), accs[r][j])
+                b.store(op.madd(b, b.load(accs[r][j]), wv, bv[j]), accs[r][j])
     for r in range(NR):
         for j in range(NJ):
             _store(b, b.load(accs[r][j]), _gep(b, crow[r], _c(64 * j)), 4)
 
 
-@intrinsic
-def gemm_bf16(typingctx, aaddr, a_rs, baddr, b_rs, npair, caddr, c_rs, R, NCOL, accumulate):
-    """C (float32 at caddr, rows c_rs bytes apart) [+]= A . B over npair pairs, R rows (multiple of 6) x
-    NCOL columns (multiple of 64); see the module doc. accumulate != 0: C += (else C =)."""
-    sig = types.void(*([types.int64] * 10))
-
+def _gemm_body(op):
     def body(b, args):
         aa, ars, ba, brs, npr, ca, crs, R_, N_, acc = args
         nrb = b.udiv(R_, _c(NR))
@@ -69,14 +91,34 @@ def gemm_bf16(typingctx, aaddr, a_rs, baddr, b_rs, npair, caddr, c_rs, R, NCOL, 
                 j0 = b.mul(jl.index, _c(COLS))
                 with cgutils.for_range(b, nrb) as rl:
                     r0 = b.mul(rl.index, _c(NR))
-                    _block(b, b.add(aa, b.mul(r0, ars)), ars, b.add(ba, b.mul(j0, _c(4))), brs, npr,
-                           b.add(ca, b.add(b.mul(r0, crs), b.mul(j0, _c(4)))), crs, acc_in)
+                    _block(b, op, b.add(aa, b.mul(r0, ars)), ars, b.add(ba, b.mul(j0, _c(op.b_vec // 16))), brs,
+                           npr, b.add(ca, b.add(b.mul(r0, crs), b.mul(j0, _c(4)))), crs, acc_in)
         with b.if_else(b.icmp_unsigned("!=", acc, _c(0))) as (then, otherwise):
             with then:
                 blocks(True)
             with otherwise:
                 blocks(False)
+    return body
+
+
+@intrinsic
+def gemm_bf16(typingctx, aaddr, a_rs, baddr, b_rs, npair, caddr, c_rs, R, NCOL, accumulate):
+    """C (float32 at caddr, rows c_rs bytes apart) [+]= A . B over npair pairs, R rows (multiple of 6) x
+    NCOL columns (multiple of 64); see the module doc. accumulate != 0: C += (else C =)."""
+    sig = types.void(*([types.int64] * 10))
 
     def codegen(context, builder, signature, args):
-        return _outlined(context, builder, "fia_gemm_bf16", args, body)
+        return _outlined(context, builder, "fia_gemm_bf16", args, _gemm_body(_BF16))
+    return sig, codegen
+
+
+@intrinsic
+def gemm_f16(typingctx, aaddr, a_rs, baddr, b_rs, nk, caddr, c_rs, R, NCOL, accumulate):
+    """C (float32) [+]= A . B for float32 A rows (a_rs bytes apart) and float16 B rows (b_rs bytes apart) over
+    nk steps of the reduction axis: widen + float32 FMA (`vcvtph2ps`, `vfmadd231ps`; half the multiply rate
+    of gemm_bf16). R a multiple of 6, NCOL of 64; accumulate as gemm_bf16."""
+    sig = types.void(*([types.int64] * 10))
+
+    def codegen(context, builder, signature, args):
+        return _outlined(context, builder, "fia_gemm_f16", args, _gemm_body(_F16))
     return sig, codegen
