@@ -6,10 +6,10 @@ computes, for q [1, N, L, E], k/v [1, KV_N, S, E] (GQA natively: head n reads kv
     S = scale · Q Kᵀ (+ attn_mask, additive, same dtype as q) ; top-left causal j <= i when is_causal
     out = softmax(S) V   (online softmax, float32 accumulators, bf16/fp16 matmuls for bf16/fp16 inputs)
     lse [1, N, L] float32 (float64 for float64), natural log.
-`_flash` runs FIA's own bf16 kernel (prefill_flash.py: AVX512-BF16 GEMMs, ~2x ATen's speed on the machine
-measured) when it applies, else ATen's. The own kernel also takes a band (pre, next) as geometry: for bf16
-calls without a user mask the whole batch window is one call of it, and keys outside the band are never
-computed (no mask tiles). ATen's kernel cannot take a geometry mask without materializing it, skip tiles of a
+`_flash` runs FIA's own bf16 / fp16 kernel (prefill_flash.py: AVX-512 GEMMs, ~2x ATen's speed on the machine
+measured) when it applies, else ATen's. The own kernel also takes a band (pre, next) as geometry and reads
+a user mask in place: for its calls the whole batch window is one call, keys outside the band and fully
+user-masked key tiles are never computed (no mask tiles). ATen's kernel cannot take a geometry mask without materializing it, skip tiles of a
 band, take Dv != D, survive an empty key set (SIGFPE), or say which rows saw no key (their lse comes back 0).
 For its calls this module does those parts:
 
@@ -49,8 +49,8 @@ _aten_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 def _flash(q, k, v, dropout: float, is_causal: bool, attn_mask=None, scale=None):
-    """One fused-kernel call (ATen's contract, see the module doc): FIA's own bf16 kernel where it applies
-    (prefill_flash: AVX512-BF16 CPUs, ~2x ATen's speed there), else ATen's CPU flash kernel."""
+    """One fused-kernel call (ATen's contract, see the module doc): FIA's own bf16 / fp16 kernel where it
+    applies (prefill_flash.eligible; ~2x ATen's speed on the machine measured), else ATen's CPU flash kernel."""
     if prefill_flash.eligible(q, k, v, attn_mask):
         return prefill_flash.flash(q, k, v, is_causal, attn_mask, scale)
     return _aten_flash(q, k, v, dropout, is_causal, attn_mask=attn_mask, scale=scale)
