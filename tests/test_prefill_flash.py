@@ -29,27 +29,27 @@ from fia.backends import prefill_flash as PF  # noqa: E402
 from fia.backends import prefill_simd as PS  # noqa: E402
 
 
-def _gemm(native: bool):
-    with compiling_with(DS, "_HOST_DP", native):
+def _wrapper(module, flag, native, gemm, a0, b0):
+    """A fresh njit wrapper of `gemm` compiled with module.flag = native (the emitted instruction or its
+    emulation), then frozen (kernel_util)."""
+    with compiling_with(module, flag, native):
         @njit
-        def g(a, b, c, npair, R, ncol, acc):
-            PS.gemm_bf16(a.ctypes.data, a.strides[0], b.ctypes.data, b.strides[0], npair, c.ctypes.data,
-                         c.strides[0], R, ncol, acc)
-        g(np.zeros((6, 2), np.uint32), np.zeros((1, 64), np.uint32), np.zeros((6, 64), np.float32), 1, 6, 64, 0)
+        def g(a, b, c, n, R, ncol, acc):
+            gemm(a.ctypes.data, a.strides[0], b.ctypes.data, b.strides[0], n, c.ctypes.data, c.strides[0], R, ncol,
+                 acc)
+        g(a0, b0, np.zeros((6, 64), np.float32), 1, 6, 64, 0)
     return frozen(g)[0]
+
+
+def _gemm(native: bool):
+    return _wrapper(DS, "_HOST_DP", native, PS.gemm_bf16, np.zeros((6, 2), np.uint32), np.zeros((1, 64), np.uint32))
 
 
 MODES = [False] + ([True] if DS._HOST_DP else [])
 
 
 def _gemm16(native: bool):
-    with compiling_with(DF, "F16C", native):
-        @njit
-        def g(a, b, c, nk, R, ncol, acc):
-            PS.gemm_f16(a.ctypes.data, a.strides[0], b.ctypes.data, b.strides[0], nk, c.ctypes.data,
-                        c.strides[0], R, ncol, acc)
-        g(np.zeros((6, 1), np.float32), np.zeros((1, 64), np.uint16), np.zeros((6, 64), np.float32), 1, 6, 64, 0)
-    return frozen(g)[0]
+    return _wrapper(DF, "F16C", native, PS.gemm_f16, np.zeros((6, 1), np.float32), np.zeros((1, 64), np.uint16))
 
 
 @pytest.mark.parametrize("native", [False] + ([True] if DF.F16C else []), ids=lambda m: "native" if m else "emulated")

@@ -102,6 +102,14 @@ def _fetch_add(typingctx, arr, idx, val):
     return sig, codegen
 
 
+@njit(nogil=True, cache=True, inline="always")
+def claim(items, counter):
+    """The next entry of `items` for the calling thread (the threads of a launch share the atomic `counter`:
+    dynamic scheduling), or -1 when none is left."""
+    t = _fetch_add(counter, 0, 1)
+    return items[t] if t < items.shape[0] else -1
+
+
 @njit(cache=True, inline="always")
 def buf_bytes(bufs, k):
     """Buffer k as a uint8 array (no copy)."""
@@ -967,12 +975,10 @@ def attend_items(items, counter, ip, fp, geo, work, tbl, bufs, kchan, kt_tbl, vt
     isc = np.zeros((2, R), np.float32)          # the int16 query / probability scales (quant_i16)
     # int64 scratch, per chunk: first token_scales' offsets, then the next chunk's K rows (prefetched during PV)
     knext = np.zeros(C, np.int64)
-    n_items = items.shape[0]
     while True:
-        t = _fetch_add(counter, 0, 1)
-        if t >= n_items:
+        it = claim(items, counter)
+        if it < 0:
             break
-        it = items[t]
         _item(it // H, it % H, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbuf,
               kt_tbl, kts, kto, vt_tbl, vts, vto, pse, mask, po, pm, pl, pany,
               qv, qa, qs, rb, rn, rs, tmp, offs, kf, vf, s, vx, koff, voff, roff, tsk, tok, tsv, tov, q2, p2, knext,

@@ -105,7 +105,7 @@ def flash(q, k, v, is_causal: bool, mask: Optional[torch.Tensor], scale: float, 
     uint8 / float16, nonzero = masked, read in place (user_mask_ok), the same for every entry and head;
     tiles it masks entirely are skipped."""
     from .decode import _launch
-    from .prefill_kernels import flash_items, pack_items, pack_items_f16
+    from .prefill_kernels import flash_items, pack_items
     Bq, N, L, D = q.shape
     H, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = N // H
@@ -120,8 +120,7 @@ def flash(q, k, v, is_causal: bool, mask: Optional[torch.Tensor], scale: float, 
         vp = np.empty((Bq, H, nt, KT // 2, Dv), np.uint32)   # [Bq, H, nt, KT/2, Dv] packed value tiles
     k16, v16 = _bits(k), _bits(v)
     n_pack = Bq * H * nt
-    _launch(pack_items_f16 if f16 else pack_items, np.arange(n_pack, dtype=np.int64), min(threads, n_pack),
-            (k16, v16, kp, vp, S))
+    _launch(pack_items, np.arange(n_pack, dtype=np.int64), min(threads, n_pack), (k16, v16, kp, vp, S))
     if out is None:
         out = torch.empty((Bq, N, L, Dv), dtype=q.dtype)          # [Bq, N, L, Dv]
     if lse is None:

@@ -18,80 +18,87 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
-from .decode_kernels import FM, _fetch_add, bf16_to_f32, f32_to_bf16_bits, f32_to_half_bits, fexp, fp16_to_f32
+from .decode_kernels import FM, bf16_to_f32, claim, f32_to_bf16_bits, f32_to_half_bits, fexp, fp16_to_f32
 from .decode_simd import max_f32
 from .prefill_simd import COLS, ROWS, gemm_bf16, gemm_f16
 
-__all__ = ["COLS", "ROWS", "pack_items", "pack_items_f16", "flash_items"]
+__all__ = ["COLS", "ROWS", "pack_items", "flash_items"]
+
+
+@njit(cache=True, inline="always")
+def _split(it, H, n):
+    """Item it = (b * H + h) * n + x -> (b, h, x)."""
+    return it // (n * H), (it // n) % H, it % n
 
 
 @njit(nogil=True, cache=True)
 def pack_items(items, counter, k16, v16, kp, vp, S):
-    """Pack K and V of (b, h, tile t) items (it = (b * H + h) * nt + t), taken through `counter`:
-    kp[b, h, t, p, c] = (K[2p], K[2p + 1]) of key t * KT + c, vp[b, h, t, c2, d] = (V[key 2 c2, d],
-    V[key 2 c2 + 1, d]) of the tile's keys; keys >= S are zero. k16, v16: [Bq, H, S, D] uint16 bits (any
-    strides); kp: uint32 [Bq, H, nt, D / 2, KT]; vp: uint32 [Bq, H, nt, KT / 2, Dv]."""
-    H, nt, D2, KT = kp.shape[1], kp.shape[2], kp.shape[3], kp.shape[4]
-    Dv = vp.shape[4]
-    n_items = items.shape[0]
+    """Pack the K and V tiles of (b, h, tile t) items (it = (b * H + h) * nt + t), taken through `counter`.
+    k16, v16: [Bq, H, S, D] uint16 bits (any strides); keys >= S pack as zeros. bf16 (kp uint32
+    [Bq, H, nt, D / 2, KT], vp uint32 [Bq, H, nt, KT / 2, Dv]): kp[b, h, t, p, c] = (K[2p], K[2p + 1]) of key
+    t * KT + c, vp[b, h, t, c2, d] = (V[key 2 c2, d], V[key 2 c2 + 1, d]). float16 (kp uint16
+    [Bq, H, nt, D, KT], vp uint16 [Bq, H, nt, KT, Dv]): the key tile transposed, the value rows as they are."""
+    H, nt = kp.shape[1], kp.shape[2]
     while True:
-        i = _fetch_add(counter, 0, 1)
-        if i >= n_items:
+        it = claim(items, counter)
+        if it < 0:
             break
-        it = items[i]
-        t = it % nt
-        h = (it // nt) % H
-        b = it // (nt * H)
-        k0 = t * KT
-        for c in range(KT):
-            key = k0 + c
-            if key < S:
-                for p in range(D2):
-                    kp[b, h, t, p, c] = np.uint32(k16[b, h, key, 2 * p]) | (np.uint32(k16[b, h, key, 2 * p + 1]) << np.uint32(16))
-            else:
-                for p in range(D2):
-                    kp[b, h, t, p, c] = np.uint32(0)
-        for c2 in range(KT // 2):
-            ka = k0 + 2 * c2
-            if ka + 1 < S:
-                for d in range(Dv):
-                    vp[b, h, t, c2, d] = np.uint32(v16[b, h, ka, d]) | (np.uint32(v16[b, h, ka + 1, d]) << np.uint32(16))
-            elif ka < S:
-                for d in range(Dv):
-                    vp[b, h, t, c2, d] = np.uint32(v16[b, h, ka, d])
-            else:
-                for d in range(Dv):
-                    vp[b, h, t, c2, d] = np.uint32(0)
+        b, h, t = _split(it, H, nt)
+        _pack_tile(k16, v16, kp, vp, S, b, h, t)
 
 
-@njit(nogil=True, cache=True)
-def pack_items_f16(items, counter, k16, v16, kp, vp, S):
-    """pack_items for float16: kp[b, h, t, d, c] = K[key t * KT + c, d] (the tile transposed), vp[b, h, t, c, d]
-    = V[key t * KT + c, d]; keys >= S are zero. kp: uint16 [Bq, H, nt, D, KT]; vp: uint16 [Bq, H, nt, KT, Dv]."""
-    H, nt, D, KT = kp.shape[1], kp.shape[2], kp.shape[3], kp.shape[4]
-    Dv = vp.shape[4]
-    n_items = items.shape[0]
-    while True:
-        i = _fetch_add(counter, 0, 1)
-        if i >= n_items:
-            break
-        it = items[i]
-        t = it % nt
-        h = (it // nt) % H
-        b = it // (nt * H)
-        k0 = t * KT
-        for c in range(KT):
-            key = k0 + c
-            if key < S:
-                for d in range(D):
-                    kp[b, h, t, d, c] = k16[b, h, key, d]
-                for d in range(Dv):
-                    vp[b, h, t, c, d] = v16[b, h, key, d]
-            else:
-                for d in range(D):
-                    kp[b, h, t, d, c] = np.uint16(0)
-                for d in range(Dv):
-                    vp[b, h, t, c, d] = np.uint16(0)
+def _pack_tile(k16, v16, kp, vp, S, b, h, t):
+    """One tile of pack_items (the packing follows kp's dtype)."""
+
+
+@overload(_pack_tile)
+def _pack_tile_impl(k16, v16, kp, vp, S, b, h, t):
+    if kp.dtype == types.uint32:
+        return lambda k16, v16, kp, vp, S, b, h, t: _pack_bf16(k16, v16, kp, vp, S, b, h, t)
+    return lambda k16, v16, kp, vp, S, b, h, t: _pack_f16(k16, v16, kp, vp, S, b, h, t)
+
+
+@njit(cache=True)
+def _pack_bf16(k16, v16, kp, vp, S, b, h, t):
+    D2, KT, Dv = kp.shape[3], kp.shape[4], vp.shape[4]
+    k0 = t * KT
+    for c in range(KT):
+        key = k0 + c
+        if key < S:
+            for p in range(D2):
+                kp[b, h, t, p, c] = np.uint32(k16[b, h, key, 2 * p]) | (np.uint32(k16[b, h, key, 2 * p + 1]) << np.uint32(16))
+        else:
+            for p in range(D2):
+                kp[b, h, t, p, c] = np.uint32(0)
+    for c2 in range(KT // 2):
+        ka = k0 + 2 * c2
+        if ka + 1 < S:
+            for d in range(Dv):
+                vp[b, h, t, c2, d] = np.uint32(v16[b, h, ka, d]) | (np.uint32(v16[b, h, ka + 1, d]) << np.uint32(16))
+        elif ka < S:
+            for d in range(Dv):
+                vp[b, h, t, c2, d] = np.uint32(v16[b, h, ka, d])
+        else:
+            for d in range(Dv):
+                vp[b, h, t, c2, d] = np.uint32(0)
+
+
+@njit(cache=True)
+def _pack_f16(k16, v16, kp, vp, S, b, h, t):
+    D, KT, Dv = kp.shape[3], kp.shape[4], vp.shape[4]
+    k0 = t * KT
+    for c in range(KT):
+        key = k0 + c
+        if key < S:
+            for d in range(D):
+                kp[b, h, t, d, c] = k16[b, h, key, d]
+            for d in range(Dv):
+                vp[b, h, t, c, d] = v16[b, h, key, d]
+        else:
+            for d in range(D):
+                kp[b, h, t, d, c] = np.uint16(0)
+            for d in range(Dv):
+                vp[b, h, t, c, d] = np.uint16(0)
 
 
 def _pval(pb, e):
@@ -222,7 +229,7 @@ def _softmax_row(sc, pb, o, m, l, r, jlo, jhi, c0, c1, scale, mask, mbase, mf16,
 @njit(nogil=True, cache=True)
 def flash_items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pre, nxt, scale, QB, f16):
     """Items it = (b * H + h) * nqb + qb (see the module doc), taken through the atomic `counter`.
-    q16: [Bq, N, L, D] uint16 bits (any strides) of bf16, or float16 when f16; kp / vp: pack_items' (pack_items_f16')
+    q16: [Bq, N, L, D] uint16 bits (any strides) of bf16, or float16 when f16; kp / vp: pack_items'
     tiles; out16: [Bq, N, L, Dv] uint16 bits (the query's dtype);
     lse: [Bq, N, L] float32; mask: uint16 bits of an additive mask in the query's dtype, element (b, n, i, j) at
     ms[0] * b + ms[1] * n + ms[2] * i + j (strides 0 where it broadcasts), read only when ms[3] != 0;
@@ -257,16 +264,12 @@ def _items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pre, nx
     o = np.empty((RP, Dv), np.float32)            # accumulators
     m = np.empty(RP, np.float32)
     l = np.empty(RP, np.float32)
-    n_items = items.shape[0]
     sf = np.float32(scale)
     while True:
-        t_ = _fetch_add(counter, 0, 1)
-        if t_ >= n_items:
+        it = claim(items, counter)
+        if it < 0:
             break
-        it = items[t_]
-        qb = it % nqb
-        h = (it // nqb) % H
-        b = it // (nqb * H)
+        b, h, qb = _split(it, H, nqb)
         i0 = qb * QB
         nq = min(QB, L - i0)
         for g in range(G):
