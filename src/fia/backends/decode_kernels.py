@@ -629,8 +629,9 @@ def row_offsets(tbl, i, c0, n, bs, s_blk, base, s_s, dst):
     while c < n:
         seg = min(n - c, bs - sl)
         o = tbl[i, bi] * s_blk + base + sl * s_s
-        for j in range(seg):
-            dst[c + j] = o + j * s_s
+        c_ = np.uint64(c)
+        for j in range(np.uint64(seg)):                  # unsigned: vectorizes
+            dst[c_ + j] = o + np.int64(j) * s_s
         c += seg
         sl += seg
         if sl == bs:
