@@ -5,7 +5,7 @@ reference backend with every fp16/bf16 tensor upcast to float64 (portable mode) 
 measured against the golden with the acceptance tolerances of tests/util.py (rel 1e-2 for fp16/bf16
 outputs, lse abs 1e-3, +inf rows exactly). Each case runs with the default tiling, with tiny tiles
 (many blocks, ragged edges, chunked masks, the pse tile-skipping path forced on, 64-key tiles and items of
-one or two positions in the own kernel) and with ATen's kernel for bf16 / fp16 too (the path of CPUs without
+one or two positions in the own kernel) and with ATen's kernel for bf16 / fp16 / float32 too (the path of CPUs without
 AVX512-BF16 / AVX-512).
 Padding past the actual lengths is NaN-poisoned: it must never be read.
 """
@@ -48,9 +48,10 @@ def tiles(request, monkeypatch):
             monkeypatch.setattr(be, k, v)
         monkeypatch.setattr(prefill_flash, "KT", 64)               # own kernel: many tiles, ragged items
         monkeypatch.setattr(prefill_flash, "ROWS_PER_ITEM", 5)
-    if request.param == "aten":                                    # ATen's kernel for bf16 / fp16 too
+    if request.param == "aten":                                    # ATen's kernel for bf16 / fp16 / float32 too
         monkeypatch.setattr(prefill_flash, "ENABLED", False)
         monkeypatch.setattr(prefill_flash, "ENABLED_F16", False)
+        monkeypatch.setattr(prefill_flash, "ENABLED_F32", False)
     return request.param
 
 

@@ -6,9 +6,9 @@
 * flash() against a float64 softmax on fresh random inputs: GQA, L != S, S not a multiple of the key tile or
   odd, Dv != D, top-left causal, additive bf16 masks (full, broadcast over batch / heads, -inf rows), query
   views with overlapping strides (the band path's batched calls); outputs NaN-poisoned before the call.
-  bf16 and float16. Tolerances: bf16 probabilities are rounded to bf16 before the PV product (as in ATen's
+  bf16, float16 and float32. Tolerances: bf16 probabilities are rounded to bf16 before the PV product (as in ATen's
   kernel and on the hardware), ~2^-9 relative per weight -> 1e-2 of max |out|; float16 (float32
-  probabilities) 2e-3; lse (float32 throughout) 1e-4.
+  probabilities) 2e-3; float32 2e-5; lse (float32 throughout) 1e-4.
 * rows without any finite score: output 0, lse -inf; NaN in the query propagates to its rows only.
 """
 from __future__ import annotations
@@ -48,19 +48,23 @@ def _gemm(native: bool):
 MODES = [False] + ([True] if DS._HOST_DP else [])
 
 
-def _gemm16(native: bool):
+def _gemm16(native: bool, f32: bool = False):
+    if f32:
+        return _wrapper(DF, "F16C", native, PS.gemm_f32, np.zeros((6, 1), np.float32), np.zeros((1, 64), np.float32))
     return _wrapper(DF, "F16C", native, PS.gemm_f16, np.zeros((6, 1), np.float32), np.zeros((1, 64), np.uint16))
 
 
 @pytest.mark.parametrize("native", [False] + ([True] if DF.F16C else []), ids=lambda m: "native" if m else "emulated")
-def test_gemm_f16(native):
-    """float32 A x float16 B (widened in registers), C = / +=, NaN-poisoned outside R x NCOL."""
-    g = _gemm16(native)
+@pytest.mark.parametrize("f32", [False, True], ids=["f16", "f32"])
+def test_gemm_f16(native, f32):
+    """float32 A x float16 B (widened in registers) or float32 B, C = / +=, NaN-poisoned outside R x NCOL."""
+    g = _gemm16(native, f32)
     rng = np.random.default_rng(2)
     for R, ncol, nk, acc in [(6, 64, 1, 0), (12, 128, 128, 1), (18, 192, 37, 0), (30, 64, 256, 1)]:
         a = rng.standard_normal((R + 3, nk + 5)).astype(np.float32)
-        bm = torch.randn(nk + 2, ncol + 32).half()
-        bb = bm.view(torch.int16).numpy().view(np.uint16)
+        bm = torch.randn(nk + 2, ncol + 32)
+        bm = bm if f32 else bm.half()
+        bb = bm.numpy() if f32 else bm.view(torch.int16).numpy().view(np.uint16)
         c = np.full((R + 2, ncol + 16), np.nan, np.float32)
         c0 = rng.standard_normal((R, ncol)).astype(np.float32)
         if acc:
@@ -152,7 +156,9 @@ CASES = [  # B, N, KV_N, L, S, D, Dv, causal, mask[, band]
 ]
 
 
-DTYPES = [d for d, on in ((torch.bfloat16, PF.ENABLED), (torch.float16, PF.ENABLED_F16)) if on]
+DTYPES = [d for d, on in ((torch.bfloat16, PF.ENABLED), (torch.float16, PF.ENABLED_F16),
+                           (torch.float32, PF.ENABLED_F32)) if on]
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 2e-5}
 
 
 @pytest.mark.skipif(not DTYPES, reason="own prefill kernel disabled on this CPU")
@@ -181,7 +187,7 @@ def test_flash_matches_float64(case, dt):
     o, l = PF.flash(q, k, v, causal, mask, scale, out=out, lse=lse, band=band)
     assert o is out and l is lse
     ro, rl = _ref(q, k, v, causal, mask, scale, band)
-    _check(o, l, ro, rl, case, 1e-2 if dt == torch.bfloat16 else 2e-3)
+    _check(o, l, ro, rl, case, TOL[dt])
     if mk == "rows":
         assert (o[:, :, ::7] == 0).all() and torch.isneginf(l[:, :, ::7]).all()
 
@@ -217,7 +223,8 @@ def test_eligibility():
     q, k = torch.randn(1, 4, 8, 64).bfloat16(), torch.randn(1, 2, 8, 64).bfloat16()
     assert PF.eligible(q, k, k, None) == PF.ENABLED
     assert PF.eligible(q.half(), k.half(), k.half(), None) == PF.ENABLED_F16
-    assert not PF.eligible(q.float(), k.float(), k.float(), None)
+    assert PF.eligible(q.float(), k.float(), k.float(), None) == PF.ENABLED_F32
+    assert not PF.eligible(q.double(), k.double(), k.double(), None)
     assert not PF.eligible(q.half(), k, k, None)                                      # mixed dtypes
     assert not PF.eligible(q, k, k, torch.zeros(8, 8).half())                         # mask dtype != q's
     assert not PF.eligible(q[..., :32], k[..., :32], k[..., :32], None)             # D % 64

@@ -1,4 +1,4 @@
-"""FIA's own flash-attention kernel for the prefill backend: bf16 (CPUs with AVX512-BF16) and float16.
+"""FIA's own flash-attention kernel for the prefill backend: bf16 (CPUs with AVX512-BF16), float16 and float32.
 
 A drop-in for the calls prefill.py makes to ATen's CPU flash kernel, with the same contract:
     flash(q [Bq, N, L, D], k [Bq, KV_N, S, D], v [Bq, KV_N, S, Dv], is_causal, mask, scale)
@@ -6,7 +6,8 @@ A drop-in for the calls prefill.py makes to ATen's CPU flash kernel, with the sa
     S = scale · Q Kᵀ (+ mask, additive, broadcast to [Bq, N, L, S]); top-left causal j <= i when is_causal;
     out = softmax(S) V with float32 accumulators; bf16: the probabilities rounded to bf16 before the PV
     product (`vdpbf16ps`, as ATen and the hardware); float16: K / V widened to float32 in registers, float32
-    probabilities and FMAs (no fp16 dot product on the CPUs measured; as the decode backend's fp16 path).
+    probabilities and FMAs (no fp16 dot product on the CPUs measured; as the decode backend's fp16 path);
+    float32 (portable inputs, dequantized int8 K / V): the same float32 FMAs.
 Differences: a row with no finite score gets lse -inf (ATen reports 0), and Dv may differ from D.
 
 Why: on the measured machine ATen's kernel runs the benchmark's bf16 prefill at ~35 % of the bf16 matmul
@@ -15,9 +16,10 @@ Per call: K and V are packed once into the tiles the GEMM reads (pack_items, in 
 V), then the (batch entry, kv head, query block) items run on the decode backend's thread pool with dynamic
 scheduling, causal items longest first.
 
-`eligible` says when the kernel applies: CPU tensors, bf16 or float16 q / k / v (mask / bias in the same
-dtype), head dims multiples of 64; bf16 where the CPU has AVX512-BF16, float16 where it has AVX-512 and F16C
-(FIA_PREFILL_OWN=1 forces both, emulated where the instructions are missing; =0 turns the kernel off).
+`eligible` says when the kernel applies: CPU tensors, bf16 / float16 / float32 q / k / v (mask / bias in the
+same dtype), head dims multiples of 64; bf16 where the CPU has AVX512-BF16, float16 where it has AVX-512 and
+F16C, float32 where it has AVX-512 (FIA_PREFILL_OWN=1 forces all, emulated where the instructions are missing;
+=0 turns the kernel off).
 """
 from __future__ import annotations
 
@@ -33,16 +35,18 @@ from .prefill_simd import F16C, HAS_DP
 KT = 256            # keys per tile (scores [rows, KT] float32 stay in L2 with the packed K / V tiles)
 ROWS_PER_ITEM = 96  # query rows (GQA heads x positions) per work item
 # FIA_PREFILL_OWN: "0" never use this kernel, "1" always where eligible (emulated without AVX512-BF16 / F16C);
-# unset: bf16 where the CPU has AVX512-BF16, float16 where it has AVX-512 and F16C
+# unset: bf16 where the CPU has AVX512-BF16, float16 where it has AVX-512 and F16C, float32 with AVX-512
 _MODE = os.environ.get("FIA_PREFILL_OWN", "")
 ENABLED = {"0": False, "1": True}.get(_MODE, HAS_DP)
 ENABLED_F16 = {"0": False, "1": True}.get(_MODE, F16C and target_has("avx512f"))
+ENABLED_F32 = {"0": False, "1": True}.get(_MODE, target_has("avx512f"))
+_ON = {torch.bfloat16: lambda: ENABLED, torch.float16: lambda: ENABLED_F16, torch.float32: lambda: ENABLED_F32}
 
 
 def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> bool:
     """Whether flash() computes this call (else the caller uses ATen's kernel)."""
     dt = q.dtype
-    if not (ENABLED if dt == torch.bfloat16 else ENABLED_F16 if dt == torch.float16 else False):
+    if dt not in _ON or not _ON[dt]():
         return False
     if q.device.type != "cpu" or not (dt == k.dtype == v.dtype):
         return False
@@ -60,19 +64,21 @@ def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[t
 
 
 def _bits(x: torch.Tensor) -> np.ndarray:
-    """uint16 view (NumPy, same strides) of a bf16 / float16 tensor's elements."""
+    """NumPy view (same strides) of a tensor's elements: uint16 bits of bf16 / float16, float32 as is."""
+    if x.dtype == torch.float32:
+        return x.numpy()
     return x.view(torch.int16).numpy().view(np.uint16)
 
 
 def _mask_flat(mask: Optional[torch.Tensor], shape):
-    """(uint16 1-D NumPy view of the elements the mask broadcast to `shape` addresses, int64 [4]: element
+    """(1-D NumPy view (_bits) of the elements the mask broadcast to `shape` addresses, int64 [4]: element
     strides of its batch / head / row dims, then 1 when there is a mask, else 0)."""
     if mask is None:
         return np.zeros(1, np.uint16), np.zeros(4, np.int64)
     m = mask.expand(shape)
     span = 1 + sum((n - 1) * st for n, st in zip(m.shape, m.stride()))
-    flat = torch.as_strided(m.view(torch.int16), (span,), (1,), m.storage_offset())
-    return flat.numpy().view(np.uint16), np.array([*m.stride()[:3], 1], np.int64)
+    flat = torch.as_strided(m, (span,), (1,), m.storage_offset())
+    return _bits(flat), np.array([*m.stride()[:3], 1], np.int64)
 
 
 def user_mask_ok(um: Optional[torch.Tensor]) -> bool:
@@ -110,11 +116,12 @@ def flash(q, k, v, is_causal: bool, mask: Optional[torch.Tensor], scale: float, 
     H, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = N // H
     nt = (S + KT - 1) // KT
-    f16 = q.dtype == torch.float16
+    wide = q.dtype != torch.bfloat16                         # float32 query rows and probabilities
     threads = max(1, torch.get_num_threads())
-    if f16:
-        kp = np.empty((Bq, H, nt, D, KT), np.uint16)         # [Bq, H, nt, D, KT] key tiles transposed
-        vp = np.empty((Bq, H, nt, KT, Dv), np.uint16)        # [Bq, H, nt, KT, Dv] value tiles
+    if wide:
+        et = np.float32 if q.dtype == torch.float32 else np.uint16
+        kp = np.empty((Bq, H, nt, D, KT), et)                # [Bq, H, nt, D, KT] key tiles transposed
+        vp = np.empty((Bq, H, nt, KT, Dv), et)               # [Bq, H, nt, KT, Dv] value tiles
     else:
         kp = np.empty((Bq, H, nt, D // 2, KT), np.uint32)    # [Bq, H, nt, D/2, KT] packed key tiles
         vp = np.empty((Bq, H, nt, KT // 2, Dv), np.uint32)   # [Bq, H, nt, KT/2, Dv] packed value tiles
@@ -137,6 +144,6 @@ def flash(q, k, v, is_causal: bool, mask: Optional[torch.Tensor], scale: float, 
     if nxt < big and pre >= big:                              # causal-like: longest (latest query block) first
         items = items.reshape(Bq * H, nqb)[:, ::-1].T.reshape(-1).copy()
     _launch(flash_items, items, min(threads, n_items),
-            (_bits(q), kp, vp, out.view(torch.int16).numpy().view(np.uint16), lse.numpy(), mk,
-             ms, *_user_flat(user_mask), S, pre, nxt, float(scale), QB, f16))
+            (_bits(q), kp, vp, _bits(out), lse.numpy(), mk, ms, *_user_flat(user_mask), S, pre, nxt,
+             float(scale), QB, wide))
     return out, lse

@@ -20,7 +20,7 @@ from numba.extending import overload
 
 from .decode_kernels import FM, bf16_to_f32, claim, f32_to_bf16_bits, f32_to_half_bits, fexp, fp16_to_f32
 from .decode_simd import max_f32
-from .prefill_simd import COLS, ROWS, gemm_bf16, gemm_f16
+from .prefill_simd import COLS, ROWS, gemm_bf16, gemm_f16, gemm_f32
 
 __all__ = ["COLS", "ROWS", "pack_items", "flash_items"]
 
@@ -55,7 +55,7 @@ def _pack_tile(k16, v16, kp, vp, S, b, h, t):
 def _pack_tile_impl(k16, v16, kp, vp, S, b, h, t):
     if kp.dtype == types.uint32:
         return lambda k16, v16, kp, vp, S, b, h, t: _pack_bf16(k16, v16, kp, vp, S, b, h, t)
-    return lambda k16, v16, kp, vp, S, b, h, t: _pack_f16(k16, v16, kp, vp, S, b, h, t)
+    return lambda k16, v16, kp, vp, S, b, h, t: _pack_rows(k16, v16, kp, vp, S, b, h, t)
 
 
 @njit(cache=True)
@@ -84,7 +84,7 @@ def _pack_bf16(k16, v16, kp, vp, S, b, h, t):
 
 
 @njit(cache=True)
-def _pack_f16(k16, v16, kp, vp, S, b, h, t):
+def _pack_rows(k16, v16, kp, vp, S, b, h, t):
     D, KT, Dv = kp.shape[3], kp.shape[4], vp.shape[4]
     k0 = t * KT
     for c in range(KT):
@@ -96,9 +96,9 @@ def _pack_f16(k16, v16, kp, vp, S, b, h, t):
                 vp[b, h, t, c, d] = v16[b, h, key, d]
         else:
             for d in range(D):
-                kp[b, h, t, d, c] = np.uint16(0)
+                kp[b, h, t, d, c] = 0
             for d in range(Dv):
-                vp[b, h, t, c, d] = np.uint16(0)
+                vp[b, h, t, c, d] = 0
 
 
 def _pval(pb, e):
@@ -113,38 +113,72 @@ def _pval_impl(pb, e):
 
 
 def _qk(qs, kt, c0, c1, sc, RP, KT, D):
-    """sc[:RP, c0:c1] = qs . key tile at address kt (bf16 query bits: packed pairs; float32 query: float16 K^T)."""
+    """sc[:RP, c0:c1] = qs . key tile kt (bf16: query bits . packed pairs; float16 / float32: float32 query .
+    K^T rows)."""
 
 
 @overload(_qk)
 def _qk_impl(qs, kt, c0, c1, sc, RP, KT, D):
-    if qs.dtype == types.uint16:
+    if kt.dtype == types.uint32:
         def impl(qs, kt, c0, c1, sc, RP, KT, D):
-            gemm_bf16(qs.ctypes.data, D * 2, kt + 4 * c0, KT * 4, D // 2, sc.ctypes.data + 4 * c0, KT * 4, RP,
-                      c1 - c0, 0)
+            gemm_bf16(qs.ctypes.data, D * 2, kt.ctypes.data + 4 * c0, KT * 4, D // 2, sc.ctypes.data + 4 * c0,
+                      KT * 4, RP, c1 - c0, 0)
         return impl
+    if kt.dtype == types.uint16:
+        def impl_f16(qs, kt, c0, c1, sc, RP, KT, D):
+            gemm_f16(qs.ctypes.data, D * 4, kt.ctypes.data + 2 * c0, KT * 2, D, sc.ctypes.data + 4 * c0, KT * 4,
+                     RP, c1 - c0, 0)
+        return impl_f16
 
-    def impl_f16(qs, kt, c0, c1, sc, RP, KT, D):
-        gemm_f16(qs.ctypes.data, D * 4, kt + 2 * c0, KT * 2, D, sc.ctypes.data + 4 * c0, KT * 4, RP, c1 - c0, 0)
-    return impl_f16
+    def impl_f32(qs, kt, c0, c1, sc, RP, KT, D):
+        gemm_f32(qs.ctypes.data, D * 4, kt.ctypes.data + 4 * c0, KT * 4, D, sc.ctypes.data + 4 * c0, KT * 4,
+                 RP, c1 - c0, 0)
+    return impl_f32
 
 
 def _pv(pb, vt, c0, c1, o, RP, KT, Dv):
-    """o[:RP] += pb[:, c0:c1] . value tile at address vt (bf16 pairs packed, or float16 rows)."""
+    """o[:RP] += pb[:, c0:c1] . value tile vt (bf16 pairs packed, or float16 / float32 rows)."""
 
 
 @overload(_pv)
 def _pv_impl(pb, vt, c0, c1, o, RP, KT, Dv):
-    if pb.dtype == types.uint16:
+    if vt.dtype == types.uint32:
         def impl(pb, vt, c0, c1, o, RP, KT, Dv):
-            gemm_bf16(pb.ctypes.data + 2 * c0, KT * 2, vt + (c0 // 2) * Dv * 4, Dv * 4, (c1 - c0) // 2,
-                      o.ctypes.data, Dv * 4, RP, Dv, 1)
+            gemm_bf16(pb.ctypes.data + 2 * c0, KT * 2, vt.ctypes.data + (c0 // 2) * Dv * 4, Dv * 4,
+                      (c1 - c0) // 2, o.ctypes.data, Dv * 4, RP, Dv, 1)
         return impl
+    if vt.dtype == types.uint16:
+        def impl_f16(pb, vt, c0, c1, o, RP, KT, Dv):
+            gemm_f16(pb.ctypes.data + 4 * c0, KT * 4, vt.ctypes.data + c0 * Dv * 2, Dv * 2, c1 - c0,
+                     o.ctypes.data, Dv * 4, RP, Dv, 1)
+        return impl_f16
 
-    def impl_f16(pb, vt, c0, c1, o, RP, KT, Dv):
-        gemm_f16(pb.ctypes.data + 4 * c0, KT * 4, vt + c0 * Dv * 2, Dv * 2, c1 - c0, o.ctypes.data, Dv * 4, RP,
-                 Dv, 1)
-    return impl_f16
+    def impl_f32(pb, vt, c0, c1, o, RP, KT, Dv):
+        gemm_f32(pb.ctypes.data + 4 * c0, KT * 4, vt.ctypes.data + c0 * Dv * 4, Dv * 4, c1 - c0,
+                 o.ctypes.data, Dv * 4, RP, Dv, 1)
+    return impl_f32
+
+
+def _val(x, f16):
+    """float32 of one element: a float32 as is; uint16 bits as float16 (f16) or bf16."""
+
+
+@overload(_val, jit_options={"fastmath": FM})
+def _val_impl(x, f16):
+    if isinstance(x, types.Float):
+        return lambda x, f16: np.float32(x)
+    return lambda x, f16: fp16_to_f32(x) if f16 else bf16_to_f32(x)
+
+
+def _outv(out, x, f16):
+    """x as stored in the output array: float32, or uint16 bits of float16 (f16) / bf16."""
+
+
+@overload(_outv, jit_options={"fastmath": FM})
+def _outv_impl(out, x, f16):
+    if isinstance(out.dtype, types.Float):
+        return lambda out, x, f16: x
+    return lambda out, x, f16: f32_to_half_bits(x) if f16 else f32_to_bf16_bits(x)
 
 
 @njit(fastmath=FM, cache=True, inline="always")
@@ -186,11 +220,11 @@ def _softmax_row(sc, pb, o, m, l, r, jlo, jhi, c0, c1, scale, mask, mbase, mf16,
     if mbase >= 0 and mf16:
         mb = np.uint64(mbase) - lo
         for j in range(lo, hi):
-            sc[r, j] = sc[r, j] * scale + fp16_to_f32(mask[mb + j])
+            sc[r, j] = sc[r, j] * scale + _val(mask[mb + j], True)
     elif mbase >= 0:
         mb = np.uint64(mbase) - lo
         for j in range(lo, hi):
-            sc[r, j] = sc[r, j] * scale + bf16_to_f32(mask[mb + j])
+            sc[r, j] = sc[r, j] * scale + _val(mask[mb + j], False)
     else:
         for j in range(lo, hi):
             sc[r, j] = sc[r, j] * scale
@@ -229,8 +263,8 @@ def _softmax_row(sc, pb, o, m, l, r, jlo, jhi, c0, c1, scale, mask, mbase, mf16,
 @njit(nogil=True, cache=True)
 def flash_items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pre, nxt, scale, QB, f16):
     """Items it = (b * H + h) * nqb + qb (see the module doc), taken through the atomic `counter`.
-    q16: [Bq, N, L, D] uint16 bits (any strides) of bf16, or float16 when f16; kp / vp: pack_items'
-    tiles; out16: [Bq, N, L, Dv] uint16 bits (the query's dtype);
+    q16: [Bq, N, L, D] (any strides): uint16 bits of bf16, of float16 when f16, or float32 (then f16 is set:
+    it means "float32 query rows and probabilities"); kp / vp: pack_items' tiles; out16: [Bq, N, L, Dv] uint16 bits (the query's dtype);
     lse: [Bq, N, L] float32; mask: uint16 bits of an additive mask in the query's dtype, element (b, n, i, j) at
     ms[0] * b + ms[1] * n + ms[2] * i + j (strides 0 where it broadcasts), read only when ms[3] != 0;
     row i keeps keys i - pre <= j <= i + nxt (top-left causal: nxt = 0, pre >= L; no band: both >= L + S).
@@ -277,7 +311,7 @@ def _items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pre, nx
                 r = g * QB + ii
                 if ii < nq and f16:
                     for d in range(D):
-                        qs[r, d] = fp16_to_f32(q16[b, h * G + g, i0 + ii, d])
+                        qs[r, d] = _val(q16[b, h * G + g, i0 + ii, d], True)
                 elif ii < nq:
                     for d in range(D):
                         qs[r, d] = q16[b, h * G + g, i0 + ii, d]
@@ -297,7 +331,7 @@ def _items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pre, nx
             nk = min(KT, S - k0)                                     # keys that exist
             if us[2] != 0 and not _tile_open(ub, us, i0, nq, k0, pre, nxt, c0, c1, nk):
                 continue                                             # every key of the tile user-masked
-            _qk(qs, kp[b, h, t].ctypes.data, c0, c1, sc, RP, KT, D)
+            _qk(qs, kp[b, h, t], c0, c1, sc, RP, KT, D)
             for r in range(RP):
                 ii = r % QB
                 if r >= RB or ii >= nq:
@@ -314,7 +348,7 @@ def _items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pre, nx
                 if us[2] != 0:
                     ubase = us[0] * i + us[1] * (k0 + jlo)
                 _softmax_row(sc, pb, o, m, l, r, jlo, jhi, c0, c1, sf, mask, mbase, f16, ub, ubase, us, Dv)
-            _pv(pb, vp[b, h, t].ctypes.data, c0, c1, o, RP, KT, Dv)
+            _pv(pb, vp[b, h, t], c0, c1, o, RP, KT, Dv)
         for g in range(G):
             n = h * G + g
             for ii in range(nq):
@@ -325,10 +359,6 @@ def _items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pre, nx
                     lse[b, n, i0 + ii] = np.float32(-np.inf)
                     continue
                 inv = np.float32(1.0) / l[r]                 # l NaN: a NaN row, as the products give
-                if f16:
-                    for d in range(Dv):
-                        out16[b, n, i0 + ii, d] = f32_to_half_bits(o[r, d] * inv)
-                else:
-                    for d in range(Dv):
-                        out16[b, n, i0 + ii, d] = f32_to_bf16_bits(o[r, d] * inv)
+                for d in range(Dv):
+                    out16[b, n, i0 + ii, d] = _outv(out16, o[r, d] * inv, f16)
                 lse[b, n, i0 + ii] = m[r] + np.log(l[r])

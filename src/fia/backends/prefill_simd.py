@@ -36,7 +36,7 @@ from .decode_simd import (HAS_DP, I32, KIND_FP16, V16F, V16I, ZERO16, _c, _dp, _
 NR, NJ = 6, 4                 # rows x 16-column vectors per register block (24 of the 32 zmm registers)
 ROWS = NR                     # R must be a multiple of this
 COLS = 16 * NJ                # NCOL must be a multiple of this
-__all__ = ["F16C", "HAS_DP", "ROWS", "COLS", "gemm_bf16", "gemm_f16"]
+__all__ = ["F16C", "HAS_DP", "ROWS", "COLS", "gemm_bf16", "gemm_f16", "gemm_f32"]
 
 
 class _Op(NamedTuple):
@@ -56,6 +56,7 @@ def _fma_madd(b, acc, wv, bv):
 
 _BF16 = _Op(64, lambda b, p: _load(b, p, V16I, 4), _dp_madd)
 _F16 = _Op(32, lambda b, p: _widen(b, p, KIND_FP16), _fma_madd)
+_F32 = _Op(64, lambda b, p: _load(b, p, V16F, 4), _fma_madd)
 
 
 def _block(b, op, a0, a_rs, bp0, b_rs, npair, c0, c_rs, acc_in):
@@ -121,4 +122,14 @@ def gemm_f16(typingctx, aaddr, a_rs, baddr, b_rs, nk, caddr, c_rs, R, NCOL, accu
 
     def codegen(context, builder, signature, args):
         return _outlined(context, builder, "fia_gemm_f16", args, _gemm_body(_F16))
+    return sig, codegen
+
+
+@intrinsic
+def gemm_f32(typingctx, aaddr, a_rs, baddr, b_rs, nk, caddr, c_rs, R, NCOL, accumulate):
+    """gemm_f16 with float32 B rows (float32 calls, dequantized int8 K / V)."""
+    sig = types.void(*([types.int64] * 10))
+
+    def codegen(context, builder, signature, args):
+        return _outlined(context, builder, "fia_gemm_f32", args, _gemm_body(_F32))
     return sig, codegen
