@@ -230,6 +230,7 @@ def test_eligibility():
     assert not PF.eligible(q[..., :32], k[..., :32], k[..., :32], None)             # D % 64
     assert not PF.eligible(q, k, k, torch.zeros(8, 8))                                # float32 mask
     assert not PF.eligible(q, k, k, torch.zeros(8, 16).bfloat16()[:, ::2])            # strided mask keys
+    assert not PF.eligible(q, k, k, torch.zeros(8, 1).bfloat16())                     # broadcast over keys
     assert not PF.eligible(q, k[:, :, :0], k[:, :, :0], None)                         # no keys
 
 

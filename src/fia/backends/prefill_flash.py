@@ -57,9 +57,9 @@ def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[t
         return False
     if q.shape[1] % k.shape[1] or k.shape[0] != q.shape[0] or v.shape[:3] != k.shape[:3] or k.shape[2] == 0:
         return False
-    if mask is not None and (mask.dtype != dt or mask.dim() > 4 or
+    if mask is not None and (mask.dtype != dt or mask.dim() > 4 or mask.shape[-1] != k.shape[2] or
                              (mask.shape[-1] > 1 and mask.stride(-1) != 1)):
-        return False                # (a mask with strided keys would need a copy of O(L x S))
+        return False                # keys read with unit stride (a strided or broadcast key axis would need a copy)
     return True
 
 
