@@ -133,6 +133,8 @@ def flash(q, k, v, is_causal: bool, mask: Optional[torch.Tensor], scale: float, 
     if lse is None:
         lse = torch.empty((Bq, N, L), dtype=torch.float32)        # [Bq, N, L]
     mk, ms = _mask_flat(mask, (Bq, N, L, S))
+    if user_mask is not None and tuple(user_mask.shape) != (L, S):
+        raise ValueError(f"user_mask: expected shape {(L, S)}, got {tuple(user_mask.shape)}")
     QB = max(1, ROWS_PER_ITEM // G)
     nqb = (L + QB - 1) // QB
     n_items = Bq * H * nqb
