@@ -46,15 +46,11 @@ class _Op(NamedTuple):
     madd: Callable       # (b, acc, splat A dword / float as <16 x i32>, B operand) -> acc
 
 
-def _dp_madd(b, acc, wv, bv):
-    return _dp(b, acc, wv, bv)
-
-
 def _fma_madd(b, acc, wv, bv):
     return _fma(b, b.bitcast(wv, V16F), bv, acc)
 
 
-_BF16 = _Op(64, lambda b, p: _load(b, p, V16I, 4), _dp_madd)
+_BF16 = _Op(64, lambda b, p: _load(b, p, V16I, 4), _dp)
 _F16 = _Op(32, lambda b, p: _widen(b, p, KIND_FP16), _fma_madd)
 _F32 = _Op(64, lambda b, p: _load(b, p, V16F, 4), _fma_madd)
 
@@ -102,34 +98,26 @@ def _gemm_body(op):
     return body
 
 
-@intrinsic
-def gemm_bf16(typingctx, aaddr, a_rs, baddr, b_rs, npair, caddr, c_rs, R, NCOL, accumulate):
-    """C (float32 at caddr, rows c_rs bytes apart) [+]= A . B over npair pairs, R rows (multiple of 6) x
-    NCOL columns (multiple of 64); see the module doc. accumulate != 0: C += (else C =)."""
-    sig = types.void(*([types.int64] * 10))
+def _gemm_intrinsic(op: _Op, name: str, doc: str):
+    """A numba intrinsic (aaddr, a_rs, baddr, b_rs, nk, caddr, c_rs, R, NCOL, accumulate) running _gemm_body(op)
+    as its own outlined function `name`."""
+    def gemm(typingctx, aaddr, a_rs, baddr, b_rs, nk, caddr, c_rs, R, NCOL, accumulate):
+        sig = types.void(*([types.int64] * 10))
 
-    def codegen(context, builder, signature, args):
-        return _outlined(context, builder, "fia_gemm_bf16", args, _gemm_body(_BF16))
-    return sig, codegen
-
-
-@intrinsic
-def gemm_f16(typingctx, aaddr, a_rs, baddr, b_rs, nk, caddr, c_rs, R, NCOL, accumulate):
-    """C (float32) [+]= A . B for float32 A rows (a_rs bytes apart) and float16 B rows (b_rs bytes apart) over
-    nk steps of the reduction axis: widen + float32 FMA (`vcvtph2ps`, `vfmadd231ps`; half the multiply rate
-    of gemm_bf16). R a multiple of 6, NCOL of 64; accumulate as gemm_bf16."""
-    sig = types.void(*([types.int64] * 10))
-
-    def codegen(context, builder, signature, args):
-        return _outlined(context, builder, "fia_gemm_f16", args, _gemm_body(_F16))
-    return sig, codegen
+        def codegen(context, builder, signature, args):
+            return _outlined(context, builder, name, args, _gemm_body(op))
+        return sig, codegen
+    gemm.__name__ = gemm.__qualname__ = name
+    gemm.__doc__ = doc
+    return intrinsic(gemm)
 
 
-@intrinsic
-def gemm_f32(typingctx, aaddr, a_rs, baddr, b_rs, nk, caddr, c_rs, R, NCOL, accumulate):
-    """gemm_f16 with float32 B rows (float32 calls, dequantized int8 K / V)."""
-    sig = types.void(*([types.int64] * 10))
-
-    def codegen(context, builder, signature, args):
-        return _outlined(context, builder, "fia_gemm_f32", args, _gemm_body(_F32))
-    return sig, codegen
+gemm_bf16 = _gemm_intrinsic(_BF16, "fia_gemm_bf16", """C (float32 at caddr, rows c_rs bytes apart) [+]= A . B
+    over nk bf16 pairs, R rows (multiple of 6) x NCOL columns (multiple of 64); see the module doc.
+    accumulate != 0: C += (else C =).""")
+gemm_f16 = _gemm_intrinsic(_F16, "fia_gemm_f16", """C (float32) [+]= A . B for float32 A rows (a_rs bytes
+    apart) and float16 B rows (b_rs bytes apart) over nk steps of the reduction axis: widen + float32 FMA
+    (`vcvtph2ps`, `vfmadd231ps`; half the multiply rate of gemm_bf16). R a multiple of 6, NCOL of 64;
+    accumulate as gemm_bf16.""")
+gemm_f32 = _gemm_intrinsic(_F32, "fia_gemm_f32", """gemm_f16 with float32 B rows (float32 calls, dequantized
+    int8 K / V).""")
