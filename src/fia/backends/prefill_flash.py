@@ -76,9 +76,14 @@ def _mask_flat(mask: Optional[torch.Tensor], shape):
     if mask is None:
         return np.zeros(1, np.uint16), np.zeros(4, np.int64)
     m = mask.expand(shape)
-    span = 1 + sum((n - 1) * st for n, st in zip(m.shape, m.stride()))
-    flat = torch.as_strided(m, (span,), (1,), m.storage_offset())
-    return _bits(flat), np.array([*m.stride()[:3], 1], np.int64)
+    return _bits(_flat(m)), np.array([*m.stride()[:3], 1], np.int64)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """The 1-D unit-stride view from t's first element through the last element t addresses (the kernels
+    index it with t's own strides)."""
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return torch.as_strided(t, (span,), (1,), t.storage_offset())
 
 
 def user_mask_ok(um: Optional[torch.Tensor]) -> bool:
@@ -96,11 +101,7 @@ def _user_flat(um: Optional[torch.Tensor]):
     if um is None:
         return np.zeros(1, np.uint8), np.zeros(3, np.int64)
     es = _UMASK_BYTES[um.dtype]
-    rs = um.stride(0) if um.shape[0] > 1 else 0
-    span = (1 + (um.shape[0] - 1) * rs + (um.shape[1] - 1)) * es
-    flat = torch.as_strided(um.view(torch.uint8) if es == 1 else um.view(torch.int16), (span // es,), (1,),
-                            um.storage_offset())
-    return flat.numpy().view(np.uint8), np.array([rs * es, es, 1], np.int64)
+    return _flat(um).view(torch.uint8).numpy(), np.array([um.stride(0) * es, es, 1], np.int64)
 
 
 def flash(q, k, v, is_causal: bool, mask: Optional[torch.Tensor], scale: float, out=None, lse=None,
