@@ -640,11 +640,11 @@ def row_offsets(tbl, i, c0, n, bs, s_blk, base, s_s, dst):
 
 
 @njit(fastmath=FM, cache=True)
-def token_scales(tbl, i, h, c0, n, tb, s_blk, s_h, s_s, mode, sc, off, dst_s, dst_o, toff):
+def token_scales(tbl, i, h, c0, n, tb, s_blk, s_h, s_s, mode, sc, off, dst_s, dst_o):
     """Per-token dequant factors of the chunk's keys [c0, c0 + n) of query group i, KV head h: scale into
     dst_s (and offset into dst_o when mode == 2). Token p's factor is element tbl[i, p // tb] * s_blk +
     h * s_h + (p % tb) * s_s (by batch, or by paged block: the same addressing as the keys, row_offsets),
-    copied one block segment at a time (contiguous factors: a vectorized copy; toff: unused scratch)."""
+    copied one block segment at a time (contiguous factors: a vectorized copy)."""
     bi = c0 // tb
     sl = c0 - bi * tb
     c = 0
@@ -825,10 +825,10 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
             row_offsets(tbl, i, c0, n, bs, r_blk, h * r_h, r_s, roff)
         if kt_mode != 0:
             token_scales(kt_tbl, i, h, c0, n, ip[IP_KT_BS], ip[IP_KT_BLK], ip[IP_KT_H], ip[IP_KT_S], kt_mode,
-                         kts, kto, tsk, tok, knext)
+                         kts, kto, tsk, tok)
         if vt_mode != 0:
             token_scales(vt_tbl, i, h, c0, n, ip[IP_VT_BS], ip[IP_VT_BLK], ip[IP_VT_H], ip[IP_VT_S], vt_mode,
-                         vts, vto, tsv, tov, knext)
+                         vts, vto, tsv, tov)
         # ---- K chunk -> scores (the softmax scale is folded into q)
         if dp_qk:
             # V rows of the same keys are requested on the way
@@ -995,8 +995,7 @@ def attend_items(items, counter, ip, fp, geo, work, tbl, bufs, kchan, kt_tbl, vt
     q2 = np.zeros((R, dq), np.uint16)           # bf16 query bits of the dp kernels
     p2 = np.zeros((R, C + 2), np.uint16)        # bf16 / int16 probabilities (pv_dp / pv_i8 read pairs: a spare column)
     isc = np.zeros((2, R), np.float32)          # the int16 query / probability scales (quant_i16)
-    # int64 scratch, per chunk: first token_scales' offsets, then the next chunk's K rows (prefetched during PV)
-    knext = np.zeros(C, np.int64)
+    knext = np.zeros(C, np.int64)               # the next chunk's K row offsets (prefetched during PV)
     while True:
         it = claim(items, counter)
         if it < 0:
