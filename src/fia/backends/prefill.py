@@ -6,12 +6,13 @@ computes, for q [1, N, L, E], k/v [1, KV_N, S, E] (GQA natively: head n reads kv
     S = scale · Q Kᵀ (+ attn_mask, additive, same dtype as q) ; top-left causal j <= i when is_causal
     out = softmax(S) V   (online softmax, float32 accumulators, bf16/fp16 matmuls for bf16/fp16 inputs)
     lse [1, N, L] float32 (float64 for float64), natural log.
-`_flash` runs FIA's own bf16 / fp16 kernel (prefill_flash.py: AVX-512 GEMMs, ~2x ATen's speed on the machine
-measured) when it applies, else ATen's. The own kernel also takes a band (pre, next) as geometry and reads
-a user mask in place: for its calls the whole batch window is one call, keys outside the band and fully
-user-masked key tiles are never computed (no mask tiles). ATen's kernel cannot take a geometry mask without materializing it, skip tiles of a
-band, take Dv != D, survive an empty key set (SIGFPE), or say which rows saw no key (their lse comes back 0).
-For its calls this module does those parts:
+`_flash` runs FIA's own bf16 / fp16 / float32 kernel (prefill_flash.py: AVX-512 GEMMs, ~2x ATen's speed for
+bf16 / fp16 on the machine measured) when it applies, else ATen's. The own kernel also takes a band
+(pre, next) as geometry, reads a user mask in place and takes Dv != D: for its calls the whole batch window
+is one call, keys outside the band and fully user-masked key tiles are never computed (no mask tiles).
+ATen's kernel cannot take a geometry mask without materializing it, skip tiles of a band, take Dv != D,
+survive an empty key set (SIGFPE), or say which rows saw no key (their lse comes back 0). For its calls
+this module does those parts:
 
 * plan (prefill_plan.py): per batch, from BatchGeometry and MaskSpec.band_for, split the rows x keys
   rectangle into segments: FULL (every row sees every key: no mask), CAUSAL (a top-left triangle: the
@@ -49,8 +50,8 @@ _aten_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 def _flash(q, k, v, dropout: float, is_causal: bool, attn_mask=None, scale=None):
-    """One fused-kernel call (ATen's contract, see the module doc): FIA's own bf16 / fp16 kernel where it
-    applies (prefill_flash.eligible; ~2x ATen's speed on the machine measured), else ATen's CPU flash kernel."""
+    """One fused-kernel call (ATen's contract, see the module doc): FIA's own kernel where it applies
+    (prefill_flash.eligible), else ATen's CPU flash kernel."""
     if prefill_flash.eligible(q, k, v, attn_mask):
         return prefill_flash.flash(q, k, v, is_causal, attn_mask, scale)
     return _aten_flash(q, k, v, dropout, is_causal, attn_mask=attn_mask, scale=scale)
@@ -134,8 +135,6 @@ class PrefillBackend(Backend):
         q = batch_query(p, b, g, kd)                           # [N, S1, E] (a view when nothing to convert)
         k, v = _keys(p, b, g, kd)                              # [KV_N, S2, E], [KV_N, S2, Dv]
         dv = v.shape[-1]
-        q, k, v = _same_head_dim(q, k, v)
-        q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
         band = p.mask.band_for(s1, s2)
         um = None
         if p.mask.user_mask is not None:
@@ -148,23 +147,30 @@ class PrefillBackend(Backend):
         chunk = max(64, self.mask_chunk_elems // (max(1, n if pse is not None else 1) * self.block_q))
         vm = {}
 
+        vd = v                                                  # [KV_N, S2, Dv] before any padding
+
         def vmean():                                            # computed once, only if a row needs it
             if "v" not in vm:
-                vm["v"] = _vmean(v4[0, :, :, :dv], n)
+                vm["v"] = _vmean(vd, n)
             return vm["v"]
 
-        if pse is not None and um is None and band is None and self.pse_skip and s1 * s2 >= self.pse_skip_min:
-            self._run_pse_skipping(p, b, g, q4, k4, v4, pse, dv, out, lse)
-            return
+        pse_skip = pse is not None and um is None and band is None and self.pse_skip and \
+            s1 * s2 >= self.pse_skip_min
         bias = None if pse is None else pse[None]                  # [1, N, S1, S2] view
-        if prefill_flash.user_mask_ok(um) and prefill_flash.eligible(q4, k4, v4, bias):
-            # the own kernel takes the band as geometry and reads the user mask in place: one call for the
-            # whole window, keys outside the band and fully user-masked tiles never computed, no mask tiles
-            o, l = prefill_flash.flash(q4, k4, v4, False, bias, p.scale, band=band,
-                                       user_mask=um)                  # [1, N, S1, E], [1, N, S1]
-            blk = BlockPlan(0, s1)
-            o, l = _special_rows(p, blk, band, s2, o[0, ..., :dv], l[0], vmean, um is not None)
+        if not pse_skip and prefill_flash.user_mask_ok(um) and \
+                prefill_flash.eligible(q[None], k[None], v[None], bias):
+            # the own kernel takes the band as geometry, reads the user mask in place and takes Dv != D: one
+            # call for the whole window, keys outside the band and fully user-masked tiles never computed, no
+            # mask tiles, no padded head dims
+            o, l = prefill_flash.flash(q[None], k[None], v[None], False, bias, p.scale, band=band,
+                                       user_mask=um)                  # [1, N, S1, Dv], [1, N, S1]
+            o, l = _special_rows(p, BlockPlan(0, s1), band, s2, o[0], l[0], vmean, um is not None)
             _write(p, b, g, 0, s1, o, l, out, lse)
+            return
+        q, k, v = _same_head_dim(q, k, v)                       # ATen's kernel: one head dim, unit stride
+        q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+        if pse_skip:
+            self._run_pse_skipping(p, b, g, q4, k4, v4, pse, dv, out, lse)
             return
         batched = pse is None and um is None and q4.device.type == "cpu"
         for blk in plan_batch(s1, s2, band, um is not None, self.block_q, chunk, band_split=self.band_split,
