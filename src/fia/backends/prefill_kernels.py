@@ -2,12 +2,13 @@
 
 Work item = (batch entry b, kv head h, query block of QB positions): its rows are the G query heads of kv
 head h times the QB positions (row r = g * QB + ii: head h * G + g, position i0 + ii), so every packed K / V
-tile is used by the whole GQA group. Per key tile of KT keys: scores with one GEMM (prefill_simd.gemm_bf16),
-the online softmax in float32 (running max m, sum l; probabilities rounded to bf16 for the PV product, as
-ATen's bf16 flash kernel and the hardware do), then O += P . V with a second GEMM. Key tiles outside every
-row's band window (top-left causal, or i - pre <= j <= i + next) are never computed; the additive mask (bf16 bits, any strides) is read
-per tile. Output bf16 bits (O / l rounded to nearest even) and lse = m + log(l) in float32; a row without
-any finite score gets output 0 and lse -inf.
+tile is used by the whole GQA group. Per key tile of KT keys: scores with one GEMM (prefill_simd), the online
+softmax in float32 (running max m, sum l; for bf16 the probabilities are rounded to bf16 for the PV product,
+as ATen's bf16 flash kernel and the hardware do; float16 / float32 keep them in float32), then O += P . V
+with a second GEMM. Key tiles outside every row's band window (top-left causal, or i - pre <= j <= i + next)
+and tiles a user mask covers entirely are never computed; the additive mask is read per tile. Output in the
+query's dtype (O / l rounded to nearest even) and lse = m + log(l) in float32; a row without any finite
+score gets output 0 and lse -inf.
 
 Unsigned loop indices where numba should vectorize (a signed computed index adds a wraparound select per
 element, decode_kernels.load_rows).
@@ -34,10 +35,11 @@ def _split(it, H, n):
 @njit(nogil=True, cache=True)
 def pack_items(items, counter, k16, v16, kp, vp, S):
     """Pack the K and V tiles of (b, h, tile t) items (it = (b * H + h) * nt + t), taken through `counter`.
-    k16, v16: [Bq, H, S, D] uint16 bits (any strides); keys >= S pack as zeros. bf16 (kp uint32
-    [Bq, H, nt, D / 2, KT], vp uint32 [Bq, H, nt, KT / 2, Dv]): kp[b, h, t, p, c] = (K[2p], K[2p + 1]) of key
-    t * KT + c, vp[b, h, t, c2, d] = (V[key 2 c2, d], V[key 2 c2 + 1, d]). float16 (kp uint16
-    [Bq, H, nt, D, KT], vp uint16 [Bq, H, nt, KT, Dv]): the key tile transposed, the value rows as they are."""
+    k16, v16: [Bq, H, S, D] (any strides), uint16 bits of bf16 / float16 or float32; keys >= S pack as zeros.
+    bf16 (kp uint32 [Bq, H, nt, D / 2, KT], vp uint32 [Bq, H, nt, KT / 2, Dv]): kp[b, h, t, p, c] =
+    (K[2p], K[2p + 1]) of key t * KT + c, vp[b, h, t, c2, d] = (V[key 2 c2, d], V[key 2 c2 + 1, d]).
+    float16 / float32 (kp [Bq, H, nt, D, KT], vp [Bq, H, nt, KT, Dv], K's element type): the key tile
+    transposed, the value rows as they are."""
     H, nt = kp.shape[1], kp.shape[2]
     while True:
         it = claim(items, counter)
@@ -58,6 +60,12 @@ def _pack_tile_impl(k16, v16, kp, vp, S, b, h, t):
     return lambda k16, v16, kp, vp, S, b, h, t: _pack_rows(k16, v16, kp, vp, S, b, h, t)
 
 
+@njit(cache=True, inline="always")
+def _pair(lo, hi):
+    """Two bf16 bit patterns as one dword (lo in the low half): a vdpbf16ps operand pair."""
+    return np.uint32(lo) | (np.uint32(hi) << np.uint32(16))
+
+
 @njit(cache=True)
 def _pack_bf16(k16, v16, kp, vp, S, b, h, t):
     D2, KT, Dv = kp.shape[3], kp.shape[4], vp.shape[4]
@@ -66,7 +74,7 @@ def _pack_bf16(k16, v16, kp, vp, S, b, h, t):
         key = k0 + c
         if key < S:
             for p in range(D2):
-                kp[b, h, t, p, c] = np.uint32(k16[b, h, key, 2 * p]) | (np.uint32(k16[b, h, key, 2 * p + 1]) << np.uint32(16))
+                kp[b, h, t, p, c] = _pair(k16[b, h, key, 2 * p], k16[b, h, key, 2 * p + 1])
         else:
             for p in range(D2):
                 kp[b, h, t, p, c] = np.uint32(0)
@@ -74,7 +82,7 @@ def _pack_bf16(k16, v16, kp, vp, S, b, h, t):
         ka = k0 + 2 * c2
         if ka + 1 < S:
             for d in range(Dv):
-                vp[b, h, t, c2, d] = np.uint32(v16[b, h, ka, d]) | (np.uint32(v16[b, h, ka + 1, d]) << np.uint32(16))
+                vp[b, h, t, c2, d] = _pair(v16[b, h, ka, d], v16[b, h, ka + 1, d])
         elif ka < S:
             for d in range(Dv):
                 vp[b, h, t, c2, d] = np.uint32(v16[b, h, ka, d])
@@ -210,8 +218,9 @@ def _softmax_row(sc, pb, o, m, l, r, jlo, jhi, c0, c1, scale, mask, mbase, mf16,
     """Online softmax of row r over the tile's scores sc[r, jlo:jhi] (the other columns of the computed
     range [c0, c1) are masked): scores scaled (+ mask), running max / sum updated, the accumulator row
     rescaled, probabilities into pb[r, c0:c1] (_pval; zeros outside [jlo, jhi)). mbase >= 0: the additive
-    mask of column jlo is mask[mbase] (unit stride along keys; bf16 bits, float16 bits when mf16). ubase >= 0: the user mask (us[1] bytes per
-    element, see _masked) of column jlo starts at byte ub[ubase]; its masked keys score -inf."""
+    mask of column jlo is mask[mbase] (unit stride along keys; _val: float32, or bf16 / float16 bits by
+    mf16). ubase >= 0: the user mask (us[1] bytes per element, see _masked) of column jlo starts at byte
+    ub[ubase]; its masked keys score -inf."""
     lo, hi = np.uint64(jlo), np.uint64(max(jlo, jhi))
     for j in range(np.uint64(c0), lo):
         pb[r, j] = 0
@@ -264,8 +273,9 @@ def _softmax_row(sc, pb, o, m, l, r, jlo, jhi, c0, c1, scale, mask, mbase, mf16,
 def flash_items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pre, nxt, scale, QB, f16):
     """Items it = (b * H + h) * nqb + qb (see the module doc), taken through the atomic `counter`.
     q16: [Bq, N, L, D] (any strides): uint16 bits of bf16, of float16 when f16, or float32 (then f16 is set:
-    it means "float32 query rows and probabilities"); kp / vp: pack_items' tiles; out16: [Bq, N, L, Dv] uint16 bits (the query's dtype);
-    lse: [Bq, N, L] float32; mask: uint16 bits of an additive mask in the query's dtype, element (b, n, i, j) at
+    it means "float32 query rows and probabilities"); kp / vp: pack_items' tiles; out16: [Bq, N, L, Dv] in
+    q16's element type; lse: [Bq, N, L] float32; mask: an additive mask in q16's element type, element
+    (b, n, i, j) at
     ms[0] * b + ms[1] * n + ms[2] * i + j (strides 0 where it broadcasts), read only when ms[3] != 0;
     row i keeps keys i - pre <= j <= i + nxt (top-left causal: nxt = 0, pre >= L; no band: both >= L + S).
     ub / us: a user mask shared by all entries and heads (bytes of element (i, j) at us[0] * i + us[1] * j,
