@@ -23,7 +23,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .decode_simd import (F32, I16, I32, I64, KIND_BF16, KIND_FP16, KIND_I8, V16F, ZERO16, QKOp, _c, _declare,
-                          _first_only, _gep, _load, _other_stream, _outlined, _prefetch_rows, _ptr,
+                          _first_only, _gep, _shared, _load, _other_stream, _outlined, _prefetch_rows, _ptr,
                           _pv_row_blocks, _qk_kernel, _splat, _store, _switch, _var, target_has)
 
 _V16H = ir.VectorType(ir.HalfType(), 16)
@@ -144,7 +144,7 @@ def pv_fma(typingctx, paddr, p_rs, vaddr, kind, offaddr, n, aaddr, a_rs, R, Dv, 
                 with cgutils.for_range(b, b.udiv(Dv_, _c(16 * DG))) as g:
                     _pv_pass(b, kind, NR, DG, b.add(pa, b.mul(r0, prs)), prs, va, offp, n_,
                              b.add(aa, b.mul(_c(4), b.mul(r0, ars))), ars, g.index,
-                             _first_only(b, _first_only(b, x, r0), g.index))
+                             _first_only(b, _shared(b, x, r0, R_, 2), g.index))
             # 2 rows x 8 chunks (128 channels: a whole row of D = 128 per pass), or x 4, or x 1
             _pv_row_blocks(b, R_, Dv_, ((128, 8), (64, 4), 1), rows_of)
         _switch(b, kd, (KIND_FP16, KIND_I8), emit, KIND_BF16)
