@@ -274,18 +274,21 @@ class QKOp(NamedTuple):
     finish: Callable     # (b, r0, NR, NC, <NR * NC x float> row-major scores of rows r0 ...) -> stored scores
 
 
-def _qk_block(b, op, NR, NC, r0, q0, q_rs, kaddr, offp, c, s0, s_rs, nd, ND, x):
-    """Scores of NR rows (query row r at byte q0 + r * q_rs) x NC keys (c, c + 1, ...), over nd chunks
-    (ND: the same as a compile-time count, or None). Each key row is read front to back before the next
+def _qk_block(b, op, NR, NC, r0, q0, q_rs, kaddr, offp, c, s0, s_rs, nd, ND, x, qregs=None):
+    """Scores of NR rows (query row r at byte q0 + r * q_rs, or its chunks qregs[r] already loaded) x NC keys
+    (c, c + 1, ...), over nd chunks (ND: the same as a compile-time count, or None). Each key row is read front to back before the next
     one: on the machines measured the hardware prefetchers stream plain ascending reads at ~30 GB/s per
     core but only half that when rows are read interleaved. With ND known the block is straight-line
     code, so the NR x NC accumulation chains overlap (vdpbf16ps has a 6-cycle latency)."""
     accs = [[_var(b, op.zero) for _ in range(NC)] for _ in range(NR)]
 
-    def chunk(j, kp, k):
+    def chunk(j, kp, k, ki=None):
         kv = op.load_k(b, _gep(b, kp, b.mul(k, _c(op.kstep))))
         for r in range(NR):
-            qv = _load(b, _gep(b, _ptr(b, b.add(q0, b.mul(q_rs, _c(r)))), b.mul(k, _c(op.qstep))), op.qty)
+            if qregs is not None:
+                qv = qregs[r][ki]
+            else:
+                qv = _load(b, _gep(b, _ptr(b, b.add(q0, b.mul(q_rs, _c(r)))), b.mul(k, _c(op.qstep))), op.qty)
             b.store(op.dot(b, b.load(accs[r][j]), qv, kv), accs[r][j])
 
     for j in range(NC):
@@ -295,7 +298,7 @@ def _qk_block(b, op, NR, NC, r0, q0, q_rs, kaddr, offp, c, s0, s_rs, nd, ND, x):
                 chunk(j, kp, loop.index)
         else:
             for k in range(ND):
-                chunk(j, kp, _c(k))
+                chunk(j, kp, _c(k), k)
     _prefetch_rows(b, x, c, NC)
     L = NR * NC
     z, out = _hsum_tree(b, [op.to_float(b, b.load(accs[r][j])) for r in range(NR) for j in range(NC)])
@@ -314,20 +317,21 @@ def _qk_block(b, op, NR, NC, r0, q0, q_rs, kaddr, offp, c, s0, s_rs, nd, ND, x):
         _store(b, part, p, align=4)
 
 
-def _qk_blocks(b, qa, q_rs, sa, s_rs, R, n, x, block):
+def _qk_blocks(b, qa, q_rs, sa, s_rs, R, n, x, block, NC, preload):
     """The QK schedule shared by qk_dp, decode_fma.qk_fma and decode_vnni.qk_i8: query rows in blocks of 4, 2,
-    1 (_row_blocks), keys in blocks of 4 then 1; block(NR, NC, r0, q0, c, s0, x) emits one block (r0: its
-    first query row, q0: that row's address, c: its first key, s0: its first score row address, x: the other
-    stream for its keys)."""
+    1 (_row_blocks), keys in blocks of NC then 1; block(NR, NC, r0, q0, c, s0, x, qregs) emits one block (r0:
+    its first query row, q0: that row's address, c: its first key, s0: its first score row address, x: the
+    other stream for its keys, qregs: preload(NR, q0) once per row block, or None)."""
     def rows_of(NR, r0):
         q0 = b.add(qa, b.mul(r0, q_rs))
         s0 = b.add(sa, b.mul(_c(4), b.mul(r0, s_rs)))
         xr = _shared(b, x, r0, R, 4)
-        n4 = b.udiv(n, _c(4))
-        with cgutils.for_range(b, n4) as loop:
-            block(NR, 4, r0, q0, b.mul(loop.index, _c(4)), s0, xr)
-        with cgutils.for_range(b, b.urem(n, _c(4))) as loop:
-            block(NR, 1, r0, q0, b.add(b.mul(n4, _c(4)), loop.index), s0, xr)
+        qregs = preload(NR, q0) if preload else None
+        nb = b.udiv(n, _c(NC))
+        with cgutils.for_range(b, nb) as loop:
+            block(NR, NC, r0, q0, b.mul(loop.index, _c(NC)), s0, xr, qregs)
+        with cgutils.for_range(b, b.urem(n, _c(NC))) as loop:
+            block(NR, 1, r0, q0, b.add(b.mul(nb, _c(NC)), loop.index), s0, xr, qregs)
     _row_blocks(b, R, rows_of)
 
 
@@ -341,8 +345,17 @@ def _qk_kernel(b, op, qa, q_rs, ka, offp, sa, s_rs, R, n, D, x, chunk, unrolled)
     nd = b.udiv(D, _c(chunk))
 
     def variant(ND):
-        _qk_blocks(b, qa, q_rs, sa, s_rs, R, n, x, lambda NR, NC, r0, q0, c, s0, xr: _qk_block(
-            b, op, NR, NC, r0, q0, q_rs, ka, offp, c, s0, s_rs, nd, ND, xr))
+        preload = None
+        if ND is not None and ND <= 4:
+            # the row block's query chunks stay in registers (<= 16 vectors) across its keys, in blocks of 2
+            # (8 accumulators): the query was reloaded from L1 for every key (4 keys x 4 rows per block), and
+            # those loads cost more than their count: QK alone, 4 rows, 13 -> 10 ns per key in L2 and 45 -> 15
+            # ns per key from DRAM without software prefetch -- the hardware prefetchers now carry the K stream
+            def preload(NR, q0):
+                return [[_load(b, _gep(b, _ptr(b, b.add(q0, b.mul(q_rs, _c(r)))), _c(k * op.qstep)), op.qty)
+                         for k in range(ND)] for r in range(NR)]
+        _qk_blocks(b, qa, q_rs, sa, s_rs, R, n, x, lambda NR, NC, r0, q0, c, s0, xr, qregs: _qk_block(
+            b, op, NR, NC, r0, q0, q_rs, ka, offp, c, s0, s_rs, nd, ND, xr, qregs), 2 if preload else 4, preload)
     _switch(b, nd, unrolled, variant, None)
 
 
