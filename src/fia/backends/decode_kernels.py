@@ -38,15 +38,17 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from .decode_fma import F16C, pv_fma, qk_fma
-from .decode_simd import HAS_DP, KIND_BF16, KIND_F32, KIND_FP16, KIND_I4, KIND_I8, max_f32, pv_dp, qk_dp
+from .decode_simd import HAS_DP, KIND_BF16, KIND_F32, KIND_FP16, KIND_I4, KIND_I8, PF_NTA, max_f32, pv_dp, qk_dp
 from .decode_vnni import HAS_VNNI, pv_i8, qk_i8
 
 # ip[IP_DP] of a call (kernel choice): the bf16 dp kernels where the CPU has AVX512-BF16 (decode_simd.HAS_DP),
-# the other stream prefetched by the IR kernels. (bf16 / fp16 / int8 K and V that the dp kernels do not take
+# the other stream prefetched by the IR kernels (DP_NTA: with prefetchnta, not prefetcht1, for bf16 / int8 rows:
+# session 8, two threads, interleaved A/B: int8 +8-13 %, paged bf16 +7-9 %, bf16 dense 0-4 %, fp16 -2-4 %
+# hence t1 kept there). (bf16 / fp16 / int8 K and V that the dp kernels do not take
 # go through the float32 FMA kernels of decode_fma when the head dim is a multiple of 16.)
 # int8 K / V use the 16-bit integer dot-product kernels of decode_vnni where the CPU has AVX512-VNNI.
-DP_QK, DP_PV, DP_PREFETCH, DP_I8 = 1, 2, 4, 8
-DP_FLAGS = (DP_QK | DP_PV if HAS_DP else 0) | (DP_I8 if HAS_VNNI else 0) | DP_PREFETCH
+DP_QK, DP_PV, DP_PREFETCH, DP_I8, DP_NTA = 1, 2, 4, 8, 16
+DP_FLAGS = (DP_QK | DP_PV if HAS_DP else 0) | (DP_I8 if HAS_VNNI else 0) | DP_PREFETCH | DP_NTA
 
 # fastmath without nnan / ninf: NaN and Inf in the inputs must propagate (SPEC 14)
 FM = {"reassoc", "contract", "nsz", "arcp"}
@@ -807,6 +809,9 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
     v_kind = ip[IP_V_KIND]
     k_es, k_row = elem_layout(k_kind, D)              # bytes per element, elements per row (prefetching)
     v_es, v_row = elem_layout(v_kind, Dv)
+    if (ip[IP_DP] & DP_NTA) != 0:                      # prefetchnta for the other stream, except fp16 rows
+        k_es += PF_NTA if k_kind != KIND_FP16 else 0   # (docs/PERF_DECODE.md, session 8)
+        v_es += PF_NTA if v_kind != KIND_FP16 else 0
     kt_mode = ip[IP_KT_MODE]
     vt_mode = ip[IP_VT_MODE]
     pse_kind = ip[IP_PSE_KIND]            # -1: no pse

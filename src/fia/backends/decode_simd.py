@@ -104,16 +104,23 @@ def _dp(b: ir.IRBuilder, acc, x, y):
     return b.fadd(b.fadd(acc, lo), hi)
 
 
-def _prefetch(b, p):
-    """prefetcht1: into L2 (the line is used a whole chunk later, after L1 has turned over)."""
+PF_NTA = 256      # in an intrinsic's `xes` argument (above the element size): prefetchnta instead of t1
+
+
+def _prefetch(b, p, locality=2):
+    """prefetcht1 (locality 2: into L2, the line is used a whole chunk later, after L1 has turned over) or
+    prefetchnta (locality 0)."""
     fn = _declare(b, "llvm.prefetch.p0", ir.FunctionType(ir.VoidType(), [I8P, I32, I32, I32]))
-    b.call(fn, [p, ir.Constant(I32, 0), ir.Constant(I32, 2), ir.Constant(I32, 1)])
+    b.call(fn, [p, ir.Constant(I32, 0), ir.Constant(I32, locality), ir.Constant(I32, 1)])
 
 
 def _other_stream(b, xaddr, xoffaddr, xn, xrow, xes):
     """The prefetch description of the intrinsics' last five arguments: rows of xrow elements of xes bytes
-    at element offsets xoffs[c] (int64 at xoffaddr) of the buffer at xaddr, for keys c < xn."""
-    return xaddr, _ptr(b, xoffaddr, I64), xn, b.mul(xrow, xes), xes
+    at element offsets xoffs[c] (int64 at xoffaddr) of the buffer at xaddr, for keys c < xn; xes + PF_NTA:
+    prefetchnta instead of prefetcht1."""
+    nta = b.icmp_unsigned("!=", b.and_(xes, _c(PF_NTA)), _c(0))
+    xes = b.and_(xes, _c(PF_NTA - 1))
+    return xaddr, _ptr(b, xoffaddr, I64), xn, b.mul(xrow, xes), xes, nta
 
 
 def _prefetch_rows(b, x, c, nc):
@@ -121,17 +128,20 @@ def _prefetch_rows(b, x, c, nc):
     its count are skipped, and with a share (_shared) the keys of other shares. While QK streams a chunk's
     K, the same keys' V rows are requested; while PV streams V, the next chunk's K rows: both streams stay
     in flight."""
-    xaddr, xoffp, xn, xbytes, xes = x[:5]
+    xaddr, xoffp, xn, xbytes, xes, nta = x[:6]
     for j in range(nc):
         cj = b.add(c, _c(j))
         ok = b.icmp_unsigned("<", cj, xn)
-        if len(x) > 5:                  # a share: the key pairs with (cj / 2) % parts == part
-            part, parts = x[5:]
+        if len(x) > 6:                  # a share: the key pairs with (cj / 2) % parts == part
+            part, parts = x[6:]
             ok = b.and_(ok, b.icmp_unsigned("==", b.urem(b.lshr(cj, _c(1)), parts), part))
         with b.if_then(ok):
             row = _gep(b, _ptr(b, xaddr), b.mul(b.load(_gep(b, xoffp, cj)), xes))
-            with cgutils.for_range(b, b.udiv(b.add(xbytes, _c(63)), _c(64))) as loop:
-                _prefetch(b, _gep(b, row, b.mul(loop.index, _c(64))))
+            with b.if_else(nta) as (then, otherwise):
+                for loc, blk in ((0, then), (2, otherwise)):
+                    with blk:
+                        with cgutils.for_range(b, b.udiv(b.add(xbytes, _c(63)), _c(64))) as loop:
+                            _prefetch(b, _gep(b, row, b.mul(loop.index, _c(64))), loc)
 
 
 def _outlined(context, builder, name, args, body):
@@ -361,8 +371,8 @@ def _qk_kernel(b, op, qa, q_rs, ka, offp, sa, s_rs, R, n, D, x, chunk, unrolled)
 
 def _first_only(b, x, r0):
     """x for the first row block, nothing to prefetch for the others (their rows were requested)."""
-    xaddr, xoffp, xn, xbytes, xes = x[:5]
-    return (xaddr, xoffp, b.select(b.icmp_unsigned("==", r0, _c(0)), xn, _c(0)), xbytes, xes) + tuple(x[5:])
+    xaddr, xoffp, xn = x[:3]
+    return (xaddr, xoffp, b.select(b.icmp_unsigned("==", r0, _c(0)), xn, _c(0))) + tuple(x[3:])
 
 
 def _shared(b, x, r0, R, rows):
