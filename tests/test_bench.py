@@ -142,3 +142,17 @@ def _timed(fn):
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+def test_ceiling_drift_is_flagged():
+    """Ceilings measured before and after the cases that disagree by more than 15 % get a warning line (a
+    shared VM once read 84 GB/s before and 50 after); agreeing ones do not."""
+    c = {"cpu": "c", "cpu_capability": "AVX512", "threads": 2, "torch_version": "t", "read_gbps": 84.0,
+         "copy_gbps": 78.0, "mm_tflops": {"fp32": 0.2}, "mm_n": {"fp32": 2048},
+         "before": {"read_gbps": 84.0}, "after": {"read_gbps": 50.1}}
+    warn = [s for s in report.ceilings_lines(c) if s.startswith("warning")]
+    assert len(warn) == 1 and "84.0" in warn[0] and "50.1" in warn[0] and "68 %" in warn[0]
+    c["after"]["read_gbps"] = 80.0
+    assert not [s for s in report.ceilings_lines(c) if s.startswith("warning")]
+    del c["before"], c["after"]
+    assert not [s for s in report.ceilings_lines(c) if s.startswith("warning")]

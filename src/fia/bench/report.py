@@ -50,10 +50,22 @@ def ceilings_lines(c: dict) -> list[str]:
     mm = ", ".join(f"{k} {v:.3g} TFLOP/s (n={c['mm_n'][k]})" for k, v in c["mm_tflops"].items())
     return [f"CPU {c['cpu']} ({c['cpu_capability']}), {c['threads']} torch threads, torch {c['torch_version']}, "
             f"OMP_WAIT_POLICY {c.get('omp_wait_policy', 'unset')}",
-            f"read bandwidth {c['read_gbps']:.1f} GB/s (x.sum, median of 9); cross-check: copy {c['copy_gbps']:.1f} GB/s "
+            f"read bandwidth {c['read_gbps']:.1f} GB/s (x.sum, median); cross-check: copy {c['copy_gbps']:.1f} GB/s "
             f"(read+write), {100 * (c['copy_gbps'] / c['read_gbps'] - 1):+.0f}%",
             f"matmul: {mm}"] + (["(each the better of a measurement before and after the cases)"]
-                                if "before" in c else [])
+                                if "before" in c else []) + _drift_lines(c)
+
+
+def _drift_lines(c: dict) -> list[str]:
+    """A warning when the read bandwidth measured before and after the cases differ by more than 15 %: the
+    machine's state changed during the run (on a shared VM: 50 vs 84 GB/s once), so "% ceil" is uncertain."""
+    if "before" not in c or "after" not in c:
+        return []
+    a, b = c["before"]["read_gbps"], c["after"]["read_gbps"]
+    if max(a, b) <= 1.15 * min(a, b):
+        return []
+    return [f"warning: read bandwidth {a:.1f} GB/s before the cases, {b:.1f} after ({100 * (max(a, b) / min(a, b) - 1):.0f} % "
+            f"apart): the machine changed during the run; % ceil uses the higher one"]
 
 
 def terminal_table(records: list[dict], ceilings: dict) -> str:
