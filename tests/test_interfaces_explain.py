@@ -122,3 +122,36 @@ def test_explain_invalid_input_raises_like_the_call():
     assert str(exp.value) == str(call.value)
     with pytest.raises(TypeError):
         fia.explain(q, k, v, no_such_keyword=1)
+
+
+def _kernel_line(q, k, v, **kw):
+    rep = fia.explain(q, k, v, num_heads=q.shape[1], num_key_value_heads=k.shape[1], input_layout="BNSD", **kw)
+    assert rep.selected == "decode", str(rep)
+    lines = str(rep).splitlines()
+    i = lines.index("  decode: can run (selected)")
+    assert lines[i + 1].startswith("    kernels: ") and rep.details == lines[i + 1].strip()
+    return rep.details
+
+
+def test_explain_names_the_decode_kernels(monkeypatch):
+    """The decode backend's report line names the kernels its items pick (decode_kernels.kernel_flags) on
+    this CPU and under the kernel switches (DP_FLAGS), the generic loops for head dims they do not take."""
+    pytest.importorskip("numba")
+    from fia.backends import decode_kernels as K
+    g = gen(701)
+    q = randn((1, 8, 1, 128), g).to(torch.bfloat16)
+    k, v = (randn((1, 2, 64, 128), g).to(torch.bfloat16) for _ in range(2))
+    dp = "bf16 dot products (AVX512-BF16)" if K.HAS_DP else "float32 FMA"
+    assert _kernel_line(q, k, v) == f"kernels: QK {dp}, PV {dp}, software prefetch (nta: K, V)"
+    assert _kernel_line(q.half(), k.half(), v.half()) == "kernels: QK float32 FMA, PV float32 FMA, software prefetch"
+    k8, v8 = (torch.randint(-100, 100, (1, 2, 64, 128), generator=g, dtype=torch.int8) for _ in range(2))
+    sc = randn((1, 2, 1, 128), g).to(torch.bfloat16)
+    i8 = "int16 x int8 dot products (AVX512-VNNI)" if K.HAS_VNNI else "float32 FMA"
+    assert _kernel_line(q, k8, v8, key_antiquant_scale=sc, value_antiquant_scale=sc, key_antiquant_mode=0,
+                        value_antiquant_mode=0) == f"kernels: QK {i8}, PV {i8}, software prefetch (nta: K, V)"
+    assert _kernel_line(q[..., :40].contiguous(), k[..., :40].contiguous(), v[..., :40].contiguous()) == (
+        "kernels: QK generic float32 loops, PV generic float32 loops")
+    monkeypatch.setattr(K, "DP_FLAGS", K.DP_PREFETCH)
+    assert _kernel_line(q, k, v) == "kernels: QK float32 FMA, PV float32 FMA, software prefetch"
+    monkeypatch.setattr(K, "DP_FLAGS", 0)
+    assert _kernel_line(q, k, v) == "kernels: QK float32 FMA, PV float32 FMA"

@@ -37,6 +37,7 @@ class DispatchReport:
     reasons: Dict[str, List[str]] = field(default_factory=dict)
     forced: Optional[str] = None
     error: Optional[str] = None
+    details: Optional[str] = None    # how the selected backend would run it (e.g. its kernels on this CPU)
 
     @property
     def supported(self) -> bool:
@@ -58,6 +59,8 @@ class DispatchReport:
                 continue
             if not why:
                 lines.append(f"  {name}: can run" + (" (selected)" if name == self.selected else ""))
+                if name == self.selected and self.details:
+                    lines.append(f"    {self.details}")
             else:
                 lines.append(f"  {name}: " + "; ".join(why))
         return "\n".join(lines)
@@ -82,11 +85,14 @@ def explain_problem(problem) -> DispatchReport:
     """The report for an already parsed AttentionProblem."""
     reasons = registry.explain(problem)
     forced = get_backend()
+    details = None
     try:
-        selected, error = registry.select(problem).name, None
+        backend = registry.select(problem)
+        selected, error = backend.name, None
+        details = backend.describe(problem)
     except FiaUnsupportedError as e:
         selected, error = None, str(e)
-    return DispatchReport(problem.api, _summary(problem), selected, reasons, forced, error)
+    return DispatchReport(problem.api, _summary(problem), selected, reasons, forced, error, details)
 
 
 def explain(query, key, value, **kwargs) -> DispatchReport:

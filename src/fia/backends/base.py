@@ -36,5 +36,10 @@ class Backend:
         forced with fia.use_backend still runs every problem it supports."""
         return self.priority
 
+    def describe(self, p: AttentionProblem) -> Optional[str]:
+        """How this backend would run p (e.g. the kernels it picks on this CPU), for fia.explain; None: no
+        more to say than its name. Only called for a problem it supports."""
+        return None
+
     def run(self, p: AttentionProblem) -> BackendResult:  # pragma: no cover - interface
         raise NotImplementedError

@@ -166,8 +166,40 @@ class DecodeBackend(Backend):
             return PREFILL_PRIORITY - 1
         return self.priority
 
+    def describe(self, p: AttentionProblem) -> Optional[str]:
+        if p.B == 0 or p.N == 0 or p.Dv == 0 or p.Q_S == 0 or (p.packed and p.T == 0):
+            return "kernels: none (empty output)"
+        K = _kernels()
+        plan = _plan_of(p, _Inputs(p), K)
+        names = []
+        for launch in plan.own + [plan.prefix]:
+            if launch is not None:
+                name = _kernel_names(K, launch)
+                if name not in names:
+                    names.append(name)
+        return "kernels: " + " | ".join(names)
+
     def run(self, p: AttentionProblem) -> BackendResult:
         return _run(p, _kernels())
+
+
+def _kernel_names(K, launch: "_Launch") -> str:
+    """The kernels of one launch in words (K.kernel_flags decides them; fia.explain shows this)."""
+    f = int(K.kernel_flags(launch.ip))
+
+    def one(step, dp, i8, fma):
+        if f & dp:
+            return f"{step} bf16 dot products (AVX512-BF16)"
+        if f & i8:
+            return f"{step} int16 x int8 dot products (AVX512-VNNI)"
+        if f & fma:
+            return f"{step} float32 FMA"
+        return f"{step} generic float32 loops"
+    parts = [one("QK", K.KF_DP_QK, K.KF_I8_QK, K.KF_FMA_QK), one("PV", K.KF_DP_PV, K.KF_I8_PV, K.KF_FMA_PV)]
+    if f & K.KF_PREFETCH and f & (K.KF_DP_QK | K.KF_I8_QK | K.KF_FMA_QK):
+        nta = [n for n, b in (("K", K.KF_NTA_K), ("V", K.KF_NTA_V)) if f & b]
+        parts.append("software prefetch" + (f" (nta: {', '.join(nta)})" if nta else ""))
+    return ", ".join(parts)
 
 
 # ---------------------------------------------------------------------------------------------- the run

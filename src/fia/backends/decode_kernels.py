@@ -675,6 +675,54 @@ def _copy_strided(src, o, st, dst, c, n):
             dst[c + j] = src[o + j * st]
 
 
+# what kernel_flags reports (bits)
+KF_DP_QK, KF_DP_PV, KF_I8_QK, KF_I8_PV, KF_FMA_QK, KF_FMA_PV, KF_PREFETCH, KF_NTA_K, KF_NTA_V = (
+    1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@njit(cache=True, inline="always")
+def kernel_flags(ip):
+    """The kernels a launch's items run (KF_* bits), from its int parameters alone: the one place that
+    decides (the items read it, and fia.explain names the kernels from it). QK / PV neither dp, VNNI nor
+    FMA: the generic float32 loops (float32 / int4 / rope K or V, head dims not multiples of 16)."""
+    D = ip[IP_D]
+    Dr = ip[IP_DR]
+    Dv = ip[IP_DV]
+    k_kind = ip[IP_K_KIND]
+    v_kind = ip[IP_V_KIND]
+    f = 0
+    # bf16 dot-product kernels (decode_simd): raw bf16 query bits in q2, the scale applied to the scores
+    if ((ip[IP_DP] & DP_QK) != 0 and k_kind == KIND_BF16 and ip[IP_Q_KIND] == KIND_BF16 and Dr == 0
+            and ip[IP_KC_MODE] == 0 and ip[IP_QD] == 0 and ip[IP_KT_MODE] == 0 and D % 32 == 0):
+        f |= KF_DP_QK
+    if (ip[IP_DP] & DP_PV) != 0 and v_kind == KIND_BF16 and ip[IP_VT_MODE] == 0 and Dv % 64 == 0:
+        f |= KF_DP_PV
+    # int16 x int8 dot-product kernels (decode_vnni) for int8 K / V: the query (times the key scales) and the
+    # probabilities quantized to int16 per row (quant_i16). Not for a float32 query (portable mode): its
+    # float32 output is held to float32 accuracy, the float32 kernels keep it. (PV falls back to FMA for a
+    # chunk whose probabilities cannot be quantized: NaN / Inf, see quant_i16.)
+    i8 = (ip[IP_DP] & DP_I8) != 0 and ip[IP_Q_KIND] != KIND_F32
+    if i8 and k_kind == KIND_I8 and Dr == 0 and D % 32 == 0 and D <= 8192:
+        f |= KF_I8_QK
+    if i8 and v_kind == KIND_I8 and Dv % 64 == 0:
+        f |= KF_I8_PV
+    # float32 FMA kernels (decode_fma) for the other bf16 / fp16 / int8 cases; the build without the generic
+    # paths only runs those (decode.py sends head dims that are not multiples of 16 to the generic build)
+    if ((f & KF_DP_QK) == 0 and Dr == 0 and D % 16 == 0
+            and (k_kind == KIND_BF16 or k_kind == KIND_FP16 or k_kind == KIND_I8)):
+        f |= KF_FMA_QK
+    if (f & KF_DP_PV) == 0 and Dv % 16 == 0 and (v_kind == KIND_BF16 or v_kind == KIND_FP16 or v_kind == KIND_I8):
+        f |= KF_FMA_PV
+    if (ip[IP_DP] & DP_PREFETCH) != 0:             # prefetch the other stream inside the IR kernels
+        f |= KF_PREFETCH
+        if (ip[IP_DP] & DP_NTA) != 0:              # with prefetchnta, except fp16 rows (see DP_NTA)
+            if k_kind != KIND_FP16:
+                f |= KF_NTA_K
+            if v_kind != KIND_FP16:
+                f |= KF_NTA_V
+    return f
+
+
 @njit(fastmath=FM, cache=True)
 def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbuf,
           kt_tbl, kts, kto, vt_tbl, vts, vto, pse, mask, po, pm, pl, pany,
@@ -720,25 +768,16 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
     kc_mode = ip[IP_KC_MODE]
     q8, q16, q32, qfl = views(qbuf)
     qr8, qr16, qr32, qrfl = views(qrbuf)
-    # bf16 dot-product kernels (decode_simd): raw bf16 query bits in q2, the scale applied to the scores
-    dp_qk = ((ip[IP_DP] & DP_QK) != 0 and ip[IP_K_KIND] == KIND_BF16 and ip[IP_Q_KIND] == KIND_BF16 and Dr == 0
-             and kc_mode == 0 and ip[IP_QD] == 0 and ip[IP_KT_MODE] == 0 and D % 32 == 0)
-    pf = (ip[IP_DP] & DP_PREFETCH) != 0           # prefetch the other stream inside the IR kernels
-    dp_pv = (ip[IP_DP] & DP_PV) != 0 and ip[IP_V_KIND] == KIND_BF16 and ip[IP_VT_MODE] == 0 and Dv % 64 == 0
-    # int16 x int8 dot-product kernels (decode_vnni) for int8 K / V: the query (times the key scales) and the
-    # probabilities quantized to int16 per row (quant_i16; isc[0] / isc[1]: their scales). Not for a float32
-    # query (portable mode): its float32 output is held to float32 accuracy, the float32 kernels keep it
-    i8 = (ip[IP_DP] & DP_I8) != 0 and ip[IP_Q_KIND] != KIND_F32
-    i8_qk = i8 and ip[IP_K_KIND] == KIND_I8 and Dr == 0 and D % 32 == 0 and D <= 8192
-    i8_pv = i8 and ip[IP_V_KIND] == KIND_I8 and Dv % 64 == 0
+    kf_ = kernel_flags(ip)
+    dp_qk = (kf_ & KF_DP_QK) != 0
+    dp_pv = (kf_ & KF_DP_PV) != 0
+    pf = (kf_ & KF_PREFETCH) != 0
+    i8_qk = (kf_ & KF_I8_QK) != 0
+    i8_pv = (kf_ & KF_I8_PV) != 0
+    fma_qk = (kf_ & KF_FMA_QK) != 0
+    fma_pv = (kf_ & KF_FMA_PV) != 0
     q2i = q2.view(np.int16)
     p2i = p2.view(np.int16)
-    # float32 FMA kernels (decode_fma) for the other bf16 / fp16 / int8 cases; the build without the generic
-    # paths only runs those (decode.py sends head dims that are not multiples of 16 to the generic build)
-    fma_qk = (not dp_qk and Dr == 0 and D % 16 == 0
-              and (ip[IP_K_KIND] == KIND_BF16 or ip[IP_K_KIND] == KIND_FP16 or ip[IP_K_KIND] == KIND_I8))
-    fma_pv = (not dp_pv and Dv % 16 == 0
-              and (ip[IP_V_KIND] == KIND_BF16 or ip[IP_V_KIND] == KIND_FP16 or ip[IP_V_KIND] == KIND_I8))
     for r in range(R):
         bl = r // R0
         b = i * BPG + bl
@@ -809,9 +848,8 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
     v_kind = ip[IP_V_KIND]
     k_es, k_row = elem_layout(k_kind, D)              # bytes per element, elements per row (prefetching)
     v_es, v_row = elem_layout(v_kind, Dv)
-    if (ip[IP_DP] & DP_NTA) != 0:                      # prefetchnta for the other stream, except fp16 rows
-        k_es += PF_NTA if k_kind != KIND_FP16 else 0   # (docs/PERF_DECODE.md, session 8)
-        v_es += PF_NTA if v_kind != KIND_FP16 else 0
+    k_es += PF_NTA if (kf_ & KF_NTA_K) != 0 else 0     # prefetchnta instead of t1 (see DP_NTA)
+    v_es += PF_NTA if (kf_ & KF_NTA_V) != 0 else 0
     kt_mode = ip[IP_KT_MODE]
     vt_mode = ip[IP_VT_MODE]
     pse_kind = ip[IP_PSE_KIND]            # -1: no pse
