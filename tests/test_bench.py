@@ -156,3 +156,33 @@ def test_ceiling_drift_is_flagged():
     assert not [s for s in report.ceilings_lines(c) if s.startswith("warning")]
     del c["before"], c["after"]
     assert not [s for s in report.ceilings_lines(c) if s.startswith("warning")]
+
+
+class _Probe:
+    """A ReadProbe stand-in: hands out the given bandwidths in turn."""
+
+    def __init__(self, *vals):
+        self.vals = list(vals)
+
+    def gbps(self):
+        return self.vals.pop(0)
+
+
+def test_near_ceiling_is_measured_around_the_decode_timing():
+    """Decode cases with a probe: the better of the reads right before and after the FIA-SDPA-FIA blocks is
+    the case's near ceiling, and % near = rate / near ceiling (shown in the table); prefill cases and calls
+    without a probe have none; a real ReadProbe reads a plausible rate."""
+    opts = runner.Options(repeats=1, time_budget_s=0.05, ref_budget_s=5.0)
+    probe = _Probe(40.0, 50.0)
+    rec = runner.run_case(TINY[1], FAKE, opts, fia, probe=probe)
+    assert rec["fia"]["status"] == "ok" and probe.vals == []          # read twice: before and after
+    assert rec["near_ceiling"] == 50.0
+    assert rec["fia"]["pct_near"] == pytest.approx(100.0 * rec["fia"]["rate"] / 50.0)
+    assert rec["sdpa"]["pct_near"] == pytest.approx(100.0 * rec["sdpa"]["rate"] / 50.0)
+    table = report.terminal_table([rec], FAKE.to_dict()).splitlines()
+    head = next(i for i, s in enumerate(table) if s.startswith("case "))
+    assert "% near" in table[head] and f"{rec['fia']['pct_near']:.0f}%" in table[head + 2]
+    pre = runner.run_case(TINY[3], FAKE, opts, fia, probe=_Probe())    # prefill: never reads the probe
+    assert "near_ceiling" not in pre and "pct_near" not in pre["fia"]
+    assert "near_ceiling" not in runner.run_case(TINY[1], FAKE, opts, fia)
+    assert 0.1 < machine.ReadProbe(8 << 20, 3).gbps() < 10000

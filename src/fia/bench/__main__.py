@@ -54,7 +54,11 @@ def main(argv=None) -> int:
     print("\n".join(report.ceilings_lines(before.to_dict())), flush=True)
 
     opts = runner.Options.quick(args.repeats) if args.quick else runner.Options(repeats=args.repeats or 10)
-    records = runner.run_all(table, before, opts, fia, progress=not args.no_progress)
+    probe = None
+    if any(c.kind == "decode" for c in table):                # the read bandwidth next to each decode case
+        probe = machine.ReadProbe((256 if args.quick else 512) << 20, 3 if args.quick else 5)
+    records = runner.run_all(table, before, opts, fia, progress=not args.no_progress, probe=probe)
+    del probe
     after = machine.measure_ceilings(quick=args.quick)        # again: the better of the two is the ceiling
     ceil = machine.Ceilings.best(before, after)
     runner.apply_ceilings(records, ceil)

@@ -57,6 +57,19 @@ def measure_read_bandwidth(nbytes: int = 512 << 20, repeats: int = 9) -> float:
     return x.nbytes / t / 1e9
 
 
+class ReadProbe:
+    """The read bandwidth right next to a case: x.sum over a buffer kept for the whole run (median of a few
+    reads, ~50 ms). On a shared VM the bandwidth moves within minutes (x.sum read 84 GB/s before one run's
+    cases and 50 after), so a ratio against a ceiling measured minutes away says little."""
+
+    def __init__(self, nbytes: int = 512 << 20, repeats: int = 5):
+        self.x = torch.rand(nbytes // 4, dtype=torch.float32)  # [n] touched, resident
+        self.repeats = repeats
+
+    def gbps(self) -> float:
+        return self.x.nbytes / _median_time(lambda: self.x.sum(), self.repeats) / 1e9
+
+
 def measure_copy_bandwidth(nbytes: int = 512 << 20, repeats: int = 9) -> float:
     """GB/s of bytes read + written by `dst.copy_(src)` of `nbytes`; median time."""
     src = torch.rand(nbytes // 4, dtype=torch.float32)  # [n]

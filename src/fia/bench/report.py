@@ -5,8 +5,8 @@ import json
 import os
 from typing import Optional
 
-COLUMNS = ["case", "backend", "FIA ms", "FIA rate", "% ceil", "ref ms", "SDPA ms", "SDPA rate", "x SDPA",
-           "peak MB FIA/SDPA", "check"]
+COLUMNS = ["case", "backend", "FIA ms", "FIA rate", "% ceil", "% near", "ref ms", "SDPA ms", "SDPA rate",
+           "x SDPA", "peak MB FIA/SDPA", "check"]
 
 
 def _rate(rec: dict, impl: str) -> str:
@@ -39,6 +39,7 @@ def rows(records: list[dict], width: int = 24) -> list[list[str]]:
         out.append([
             r["name"], f.get("backend") or "-", _ms(f, width), _rate(r, "fia"),
             f"{f['pct_ceiling']:.0f}%" if "pct_ceiling" in f else "",
+            f"{f['pct_near']:.0f}%" if "pct_near" in f else "",
             _ms(ref, width), _ms(s, width), _rate(r, "sdpa"),
             f"{r['speedup_vs_sdpa']:.2f}" if r.get("speedup_vs_sdpa") else "",
             f"{_mb(f.get('peak_mb'))}/{_mb(s.get('peak_mb'))}", check,
@@ -71,7 +72,8 @@ def _drift_lines(c: dict) -> list[str]:
 def terminal_table(records: list[dict], ceilings: dict) -> str:
     body = rows(records)
     widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(COLUMNS)]
-    fmt = lambda cells: "  ".join(c.ljust(w) if i in (0, 1, 10) else c.rjust(w)  # noqa: E731
+    left = (0, 1, len(COLUMNS) - 1)
+    fmt = lambda cells: "  ".join(c.ljust(w) if i in left else c.rjust(w)  # noqa: E731
                                   for i, (c, w) in enumerate(zip(cells, widths)))
     lines = ceilings_lines(ceilings) + ["", fmt(COLUMNS), "  ".join("-" * w for w in widths)]
     lines += [fmt(r) for r in body]
@@ -81,7 +83,9 @@ def terminal_table(records: list[dict], ceilings: dict) -> str:
 NOTES = """\
 - Times are medians over the timed repeats after warm-up, in one process, on identical inputs.
 - Decode rate: bytes of K and V as stored (int8: 1 byte/element plus scales; paged: the used blocks) per
-  second; ceiling = streaming read bandwidth. Prefill rate: 4·B·N·D·(unmasked (i, j) pairs) per second;
+  second; ceiling = streaming read bandwidth (% ceil: the run's ceiling, the better of before / after the cases;
+  % near: the better of two reads of the same kind right before and after the case's FIA-SDPA-FIA blocks,
+  since a shared host's bandwidth drifts within minutes). Prefill rate: 4·B·N·D·(unmasked (i, j) pairs) per second;
   ceiling = the best of the dtype's and float32's torch.mm rate (fp32 when native bf16/fp16 mm is slower).
 - SDPA = torch.nn.functional.scaled_dot_product_attention on the same problem, everything inside the timed
   call: enable_gqa=True; paged KV gathered to a dense tensor first; int8 KV dequantized first; causal via

@@ -286,7 +286,11 @@ def _judge(fia, inp: C.Inputs, sl: C.Inputs, rec: dict, opts: Options, phase) ->
     return ref_s, f"reference on KV head 0 (query heads 0..{G - 1})", False
 
 
-def run_case(case: C.Case, ceilings, opts: Options, fia, phase: Callable[[str], None] = lambda s: None) -> dict:
+def run_case(case: C.Case, ceilings, opts: Options, fia, phase: Callable[[str], None] = lambda s: None,
+             probe=None) -> dict:
+    """One case's record. probe (machine.ReadProbe): decode cases also get `near_ceiling`, the better of
+    the read bandwidths measured right before and right after their FIA-SDPA-FIA blocks, and
+    `pct_near` = rate / near_ceiling (the global ceiling is measured minutes away on a drifting host)."""
     rec = case_record(case, ceilings)
     rec.update({name: {"status": "not run"} for name in ("fia", "reference", "sdpa", "check")},
                speedup_vs_sdpa=None)
@@ -346,10 +350,16 @@ def run_case(case: C.Case, ceilings, opts: Options, fia, phase: Callable[[str], 
     # FIA - SDPA - FIA blocks, so a drift of the machine (clock, load, other processes) hits both alike and
     # their ratio is taken within the same minutes; the (slow) reference is timed afterwards
     pair = [(n, f) for n, f in plan if n in _PAIRED]
+    near = probe is not None and case.kind == "decode" and bool(pair)
     if pair:
+        if near:
+            phase("read bandwidth")
+            bw = probe.gbps()
         phase("time " + " / ".join(n for n, _ in pair))
         for name, res in timeit_aba(pair, repeats, opts.time_budget_s, warm).items():
             rec[name].update(res)
+        if near:
+            rec["near_ceiling"] = max(bw, probe.gbps())
     for name, fn in plan:
         if name not in _PAIRED:
             phase(f"time {name}")
@@ -357,6 +367,8 @@ def run_case(case: C.Case, ceilings, opts: Options, fia, phase: Callable[[str], 
     for name, _ in plan:
         r = _rate(rec, rec[name]["median_ms"])
         rec[name].update(rate=r, pct_ceiling=100.0 * r / rec["ceiling"])
+        if "near_ceiling" in rec and name in _PAIRED:
+            rec[name]["pct_near"] = 100.0 * r / rec["near_ceiling"]
     if "median_ms" in rec["fia"] and "median_ms" in rec["sdpa"]:
         rec["speedup_vs_sdpa"] = rec["sdpa"]["median_ms"] / rec["fia"]["median_ms"]
     del inp, sl
@@ -397,14 +409,16 @@ def _progress(cases, progress: bool):
     return _PlainProgress(cases)
 
 
-def run_all(cases: list[C.Case], ceilings, opts: Options, fia=None, progress: bool = True) -> list[dict]:
+def run_all(cases: list[C.Case], ceilings, opts: Options, fia=None, progress: bool = True,
+            probe=None) -> list[dict]:
     if fia is None:
         import fia  # noqa: F811  (the package under test)
     records = []
     bar = _progress(cases, progress)
     for case in bar:
         bar.set_description(case.name)
-        rec = run_case(case, ceilings, opts, fia, phase=lambda s: bar.set_postfix_str(s, refresh=True))
+        rec = run_case(case, ceilings, opts, fia, phase=lambda s: bar.set_postfix_str(s, refresh=True),
+                       probe=probe)
         records.append(rec)
         f = rec["fia"]
         line = f"{case.name}: fia {f['status']}"
