@@ -23,8 +23,9 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .decode_simd import (F32, I16, I32, I64, KIND_BF16, KIND_FP16, KIND_I8, V16F, ZERO16, QKOp, _c, _declare,
-                          _first_only, _gep, _shared, _load, _other_stream, _outlined, _prefetch_rows, _ptr,
-                          _pv_row_blocks, _qk_kernel, _splat, _store, _switch, _var, target_has)
+                          _first_only, _gep, _shared, _load, _other_stream, _outlined, _prefetch_ahead,
+                          _prefetch_rows, _ptr, _pv_row_blocks, _qk_kernel, _splat, _store, _switch, _var,
+                          target_has)
 
 _V16H = ir.VectorType(ir.HalfType(), 16)
 _V16S = ir.VectorType(I16, 16)
@@ -101,9 +102,9 @@ def qk_fma(typingctx, qaddr, q_rs, kaddr, kind, offaddr, n, saddr, s_rs, R, D, x
 
 
 # ---------------------------------------------------------------------------------------------- PV
-def _pv_pass(b, kind, NR, DG, p0, p_rs, vaddr, offp, n, a0, a_rs, g, x):
+def _pv_pass(b, kind, NR, DG, p0, p_rs, vaddr, offp, n, a0, a_rs, g, x, vrow):
     """acc rows a0 + r (a_rs floats apart), channels [16 DG g, 16 DG (g + 1)) += P rows (float32, p_rs
-    bytes apart) . V, one pass over the n keys with NR x DG accumulators in registers."""
+    bytes apart) . V (rows of vrow bytes), one pass over the n keys with NR x DG accumulators in registers."""
     es = _esize(kind)
     vbase = _ptr(b, vaddr)
     accs = []
@@ -115,6 +116,7 @@ def _pv_pass(b, kind, NR, DG, p0, p_rs, vaddr, offp, n, a0, a_rs, g, x):
         vp = _gep(b, vbase, b.add(b.mul(b.load(_gep(b, offp, c)), _c(es)), b.mul(g, _c(16 * DG * es))))
         vs = [_widen(b, _gep(b, vp, _c(16 * es * ch)), kind) for ch in range(DG)]   # row c front to back
         _prefetch_rows(b, x, c, 1)
+        _prefetch_ahead(b, x, vaddr, offp, n, vrow, _c(es), c, 1)
         for r in range(NR):
             pw = b.load(b.bitcast(_gep(b, _ptr(b, p0), b.add(b.mul(p_rs, _c(r)), b.mul(c, _c(4)))),
                                   F32.as_pointer()), align=4)
@@ -144,7 +146,7 @@ def pv_fma(typingctx, paddr, p_rs, vaddr, kind, offaddr, n, aaddr, a_rs, R, Dv, 
                 with cgutils.for_range(b, b.udiv(Dv_, _c(16 * DG))) as g:
                     _pv_pass(b, kind, NR, DG, b.add(pa, b.mul(r0, prs)), prs, va, offp, n_,
                              b.add(aa, b.mul(_c(4), b.mul(r0, ars))), ars, g.index,
-                             _first_only(b, _shared(b, x, r0, R_, 2), g.index))
+                             _first_only(b, _shared(b, x, r0, R_, 2), g.index), b.mul(Dv_, _c(_esize(kind))))
             # 2 rows x 8 chunks (128 channels: a whole row of D = 128 per pass), or x 4, or x 1
             _pv_row_blocks(b, R_, Dv_, ((128, 8), (64, 4), 1), rows_of)
         _switch(b, kd, (KIND_FP16, KIND_I8), emit, KIND_BF16)

@@ -105,11 +105,12 @@ def _dp(b: ir.IRBuilder, acc, x, y):
 
 
 PF_NTA = 256      # in an intrinsic's `xes` argument (above the element size): prefetchnta instead of t1
+PF_AHEAD = 1024   # ... times k (k < 64): also request the kernel's own rows k keys ahead (_prefetch_ahead)
 
 
 def _prefetch(b, p, locality=2):
-    """prefetcht1 (locality 2: into L2, the line is used a whole chunk later, after L1 has turned over) or
-    prefetchnta (locality 0)."""
+    """prefetcht1 (locality 2: into L2, the line is used a whole chunk later, after L1 has turned over),
+    prefetchnta (0) or prefetcht0 (3)."""
     fn = _declare(b, "llvm.prefetch.p0", ir.FunctionType(ir.VoidType(), [I8P, I32, I32, I32]))
     b.call(fn, [p, ir.Constant(I32, 0), ir.Constant(I32, locality), ir.Constant(I32, 1)])
 
@@ -117,31 +118,48 @@ def _prefetch(b, p, locality=2):
 def _other_stream(b, xaddr, xoffaddr, xn, xrow, xes):
     """The prefetch description of the intrinsics' last five arguments: rows of xrow elements of xes bytes
     at element offsets xoffs[c] (int64 at xoffaddr) of the buffer at xaddr, for keys c < xn; xes + PF_NTA:
-    prefetchnta instead of prefetcht1."""
+    prefetchnta instead of prefetcht1; + k * PF_AHEAD: the kernel also requests its own rows k keys ahead
+    (the tuple's last item, see _prefetch_ahead)."""
     nta = b.icmp_unsigned("!=", b.and_(xes, _c(PF_NTA)), _c(0))
+    ahead = b.and_(b.udiv(xes, _c(PF_AHEAD)), _c(63))
     xes = b.and_(xes, _c(PF_NTA - 1))
-    return xaddr, _ptr(b, xoffaddr, I64), xn, b.mul(xrow, xes), xes, nta
+    return xaddr, _ptr(b, xoffaddr, I64), xn, b.mul(xrow, xes), xes, nta, ahead
 
 
-def _prefetch_rows(b, x, c, nc):
+def _prefetch_rows(b, x, c, nc, locality=None):
     """Prefetch the rows of keys c .. c + nc - 1 of the other stream x (_other_stream): keys at or past
     its count are skipped, and with a share (_shared) the keys of other shares. While QK streams a chunk's
     K, the same keys' V rows are requested; while PV streams V, the next chunk's K rows: both streams stay
-    in flight."""
+    in flight. locality: a fixed prefetch kind instead of x's (t1, or nta when x says so)."""
     xaddr, xoffp, xn, xbytes, xes, nta = x[:6]
     for j in range(nc):
         cj = b.add(c, _c(j))
         ok = b.icmp_unsigned("<", cj, xn)
-        if len(x) > 6:                  # a share: the key pairs with (cj / 2) % parts == part
-            part, parts = x[6:]
+        if len(x) > 7:                  # a share: the key pairs with (cj / 2) % parts == part
+            part, parts = x[7:]
             ok = b.and_(ok, b.icmp_unsigned("==", b.urem(b.lshr(cj, _c(1)), parts), part))
         with b.if_then(ok):
             row = _gep(b, _ptr(b, xaddr), b.mul(b.load(_gep(b, xoffp, cj)), xes))
+            lines = b.udiv(b.add(xbytes, _c(63)), _c(64))
+            if locality is not None:
+                with cgutils.for_range(b, lines) as loop:
+                    _prefetch(b, _gep(b, row, b.mul(loop.index, _c(64))), locality)
+                continue
             with b.if_else(nta) as (then, otherwise):
                 for loc, blk in ((0, then), (2, otherwise)):
                     with blk:
-                        with cgutils.for_range(b, b.udiv(b.add(xbytes, _c(63)), _c(64))) as loop:
+                        with cgutils.for_range(b, lines) as loop:
                             _prefetch(b, _gep(b, row, b.mul(loop.index, _c(64))), loc)
+
+
+def _prefetch_ahead(b, x, addr, offp, n, row_bytes, es, c, nc):
+    """Request the kernel's own rows (row_bytes each, `es`-byte elements at offsets offp[c] of the buffer at
+    addr, keys < n) x's `ahead` keys past c .. c + nc - 1 into L1 (prefetcht0), when ahead != 0. The other
+    stream's prefetch brings them from DRAM a phase earlier, but a share still misses when the row is
+    read; this short-distance request covers it (session 8: two threads +2-25 %, docs/PERF_DECODE.md)."""
+    ahead = x[6]
+    with b.if_then(b.icmp_unsigned("!=", ahead, _c(0))):
+        _prefetch_rows(b, (addr, offp, n, row_bytes, es, None), b.add(c, ahead), nc, locality=3)
 
 
 def _outlined(context, builder, name, args, body):
@@ -284,9 +302,9 @@ class QKOp(NamedTuple):
     finish: Callable     # (b, r0, NR, NC, <NR * NC x float> row-major scores of rows r0 ...) -> stored scores
 
 
-def _qk_block(b, op, NR, NC, r0, q0, q_rs, kaddr, offp, c, s0, s_rs, nd, ND, x, qregs=None):
+def _qk_block(b, op, NR, NC, r0, q0, q_rs, kaddr, offp, c, s0, s_rs, nd, ND, x, qregs, n):
     """Scores of NR rows (query row r at byte q0 + r * q_rs, or its chunks qregs[r] already loaded) x NC keys
-    (c, c + 1, ...), over nd chunks (ND: the same as a compile-time count, or None). Each key row is read front to back before the next
+    (c, c + 1, ...; n: the chunk's key count), over nd chunks (ND: the same as a compile-time count, or None). Each key row is read front to back before the next
     one: on the machines measured the hardware prefetchers stream plain ascending reads at ~30 GB/s per
     core but only half that when rows are read interleaved. With ND known the block is straight-line
     code, so the NR x NC accumulation chains overlap (vdpbf16ps has a 6-cycle latency)."""
@@ -310,6 +328,7 @@ def _qk_block(b, op, NR, NC, r0, q0, q_rs, kaddr, offp, c, s0, s_rs, nd, ND, x, 
             for k in range(ND):
                 chunk(j, kp, _c(k), k)
     _prefetch_rows(b, x, c, NC)
+    _prefetch_ahead(b, x, kaddr, offp, n, _c(ND * op.kstep) if ND else b.mul(nd, _c(op.kstep)), _c(op.es), c, NC)
     L = NR * NC
     z, out = _hsum_tree(b, [op.to_float(b, b.load(accs[r][j])) for r in range(NR) for j in range(NC)])
     if all(out[i][1] == 1 for i in range(L)):               # 16 sums: one vector, row-major
@@ -365,14 +384,14 @@ def _qk_kernel(b, op, qa, q_rs, ka, offp, sa, s_rs, R, n, D, x, chunk, unrolled)
                 return [[_load(b, _gep(b, _ptr(b, b.add(q0, b.mul(q_rs, _c(r)))), _c(k * op.qstep)), op.qty)
                          for k in range(ND)] for r in range(NR)]
         _qk_blocks(b, qa, q_rs, sa, s_rs, R, n, x, lambda NR, NC, r0, q0, c, s0, xr, qregs: _qk_block(
-            b, op, NR, NC, r0, q0, q_rs, ka, offp, c, s0, s_rs, nd, ND, xr, qregs), 2 if preload else 4, preload)
+            b, op, NR, NC, r0, q0, q_rs, ka, offp, c, s0, s_rs, nd, ND, xr, qregs, n), 2 if preload else 4, preload)
     _switch(b, nd, unrolled, variant, None)
 
 
 def _first_only(b, x, r0):
     """x for the first row block, nothing to prefetch for the others (their rows were requested)."""
-    xaddr, xoffp, xn = x[:3]
-    return (xaddr, xoffp, b.select(b.icmp_unsigned("==", r0, _c(0)), xn, _c(0))) + tuple(x[3:])
+    first = b.icmp_unsigned("==", r0, _c(0))
+    return (x[0], x[1], b.select(first, x[2], _c(0))) + tuple(x[3:6]) + (b.select(first, x[6], _c(0)),) + tuple(x[7:])
 
 
 def _shared(b, x, r0, R, rows):
@@ -468,6 +487,7 @@ def _pv_rows(b, op, NR, DG, p0, p_rs, vaddr, offp, n, a0, a_rs, ngroups, x):
             """Keys c and (second: c + 1 | None: a zero row with weight 0)."""
             va = _gep(b, vbase, b.add(b.mul(b.load(_gep(b, offp, c)), _c(op.es)), dbyte))
             _prefetch_rows(b, xg, c, 2)
+            _prefetch_ahead(b, xg, vaddr, offp, n, b.mul(ngroups, _c(DG * vstep)), _c(op.es), c, 2)
             xs = [op.load_v(b, _gep(b, va, _c(ch * vstep))) for ch in range(DG)]   # row c front to back
             if second:
                 vb = _gep(b, vbase, b.add(b.mul(b.load(_gep(b, offp, b.add(c, _c(1)))), _c(op.es)), dbyte))
