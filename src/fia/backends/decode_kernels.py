@@ -48,12 +48,13 @@ from .decode_vnni import HAS_VNNI, pv_i8, qk_i8
 # hence t1 kept there). (bf16 / fp16 / int8 K and V that the dp kernels do not take
 # go through the float32 FMA kernels of decode_fma when the head dim is a multiple of 16.)
 # int8 K / V use the 16-bit integer dot-product kernels of decode_vnni where the CPU has AVX512-VNNI.
-# DP_AHEAD: each kernel also requests its own rows a few keys ahead into L1 (AHEAD_* keys; session 8, two
-# threads, interleaved A/B against nta alone: bf16 dense +2-25 %, fp16 +13-36 %, int8 +9-13 %, paged +2-9 %;
-# the PV request for int8 V measured -4 % and is left out).
+# DP_AHEAD: each kernel also requests its own rows AHEAD_BYTES ahead into L1 (at most 63 rows; session 8, two
+# threads, interleaved A/B against nta alone: bf16 dense +9-12 %, fp16 +7-25 %, int8 +9-13 %, paged +2-9 %;
+# the PV request for int8 V measured -4 % and is left out; 2 / 4 / 6 / 8 KB ahead: bf16 and int8 level,
+# fp16 best at 8 KB).
 DP_QK, DP_PV, DP_PREFETCH, DP_I8, DP_NTA, DP_AHEAD = 1, 2, 4, 8, 16, 32
 DP_FLAGS = (DP_QK | DP_PV if HAS_DP else 0) | (DP_I8 if HAS_VNNI else 0) | DP_PREFETCH | DP_NTA | DP_AHEAD
-AHEAD_2B, AHEAD_I8 = 16, 63     # keys ahead for rows of 2-byte elements (4 KB at D = 128) / of int8 (8 KB)
+AHEAD_BYTES = 8192              # 32 rows of bf16 / fp16 at D = 128, 63 of int8
 
 # fastmath without nnan / ninf: NaN and Inf in the inputs must propagate (SPEC 14)
 FM = {"reassoc", "contract", "nsz", "arcp"}
@@ -862,9 +863,9 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
     k_es += PF_NTA if (kf_ & KF_NTA_K) != 0 else 0     # prefetchnta instead of t1 (see DP_NTA)
     v_es += PF_NTA if (kf_ & KF_NTA_V) != 0 else 0
     if (kf_ & KF_AHEAD_K) != 0:                        # QK's own K rows ahead (see DP_AHEAD)
-        v_es += PF_AHEAD * (AHEAD_I8 if k_kind == KIND_I8 else AHEAD_2B)
+        v_es += PF_AHEAD * min(63, max(1, AHEAD_BYTES // ((k_es & 255) * k_row)))
     if (kf_ & KF_AHEAD_V) != 0:                        # PV's own V rows ahead
-        k_es += PF_AHEAD * (AHEAD_I8 if v_kind == KIND_I8 else AHEAD_2B)
+        k_es += PF_AHEAD * min(63, max(1, AHEAD_BYTES // ((v_es & 255) * v_row)))
     kt_mode = ip[IP_KT_MODE]
     vt_mode = ip[IP_VT_MODE]
     pse_kind = ip[IP_PSE_KIND]            # -1: no pse
