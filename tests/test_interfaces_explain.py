@@ -142,15 +142,15 @@ def test_explain_names_the_decode_kernels(monkeypatch):
     q = randn((1, 8, 1, 128), g).to(torch.bfloat16)
     k, v = (randn((1, 2, 64, 128), g).to(torch.bfloat16) for _ in range(2))
     dp = "bf16 dot products (AVX512-BF16)" if K.HAS_DP else "float32 FMA"
-    assert _kernel_line(q, k, v) == f"kernels: QK {dp}, PV {dp}, software prefetch (nta: K, V; rows ahead: K, V)"
+    assert _kernel_line(q, k, v) == f"kernels: QK {dp}, PV {dp}, software prefetch (nta; rows ahead: K, V)"
     assert _kernel_line(q.half(), k.half(), v.half()) == (
-        "kernels: QK float32 FMA, PV float32 FMA, software prefetch (rows ahead: K, V)")
+        "kernels: QK float32 FMA, PV float32 FMA, software prefetch (nta; rows ahead: K, V)")
     k8, v8 = (torch.randint(-100, 100, (1, 2, 64, 128), generator=g, dtype=torch.int8) for _ in range(2))
     sc = randn((1, 2, 1, 128), g).to(torch.bfloat16)
     i8 = "int16 x int8 dot products (AVX512-VNNI)" if K.HAS_VNNI else "float32 FMA"
     assert _kernel_line(q, k8, v8, key_antiquant_scale=sc, value_antiquant_scale=sc, key_antiquant_mode=0,
                         value_antiquant_mode=0) == (
-        f"kernels: QK {i8}, PV {i8}, software prefetch (nta: K, V; rows ahead: K)")
+        f"kernels: QK {i8}, PV {i8}, software prefetch (nta; rows ahead: K)")
     assert _kernel_line(q[..., :40].contiguous(), k[..., :40].contiguous(), v[..., :40].contiguous()) == (
         "kernels: QK generic float32 loops, PV generic float32 loops")
     monkeypatch.setattr(K, "DP_FLAGS", K.DP_PREFETCH)

@@ -197,10 +197,10 @@ def _kernel_names(K, launch: "_Launch") -> str:
         return f"{step} generic float32 loops"
     parts = [one("QK", K.KF_DP_QK, K.KF_I8_QK, K.KF_FMA_QK), one("PV", K.KF_DP_PV, K.KF_I8_PV, K.KF_FMA_PV)]
     if f & K.KF_PREFETCH and f & (K.KF_DP_QK | K.KF_I8_QK | K.KF_FMA_QK):
-        how = [f"{what}: {', '.join(n for n, b in bits if f & b)}"
-               for what, bits in (("nta", (("K", K.KF_NTA_K), ("V", K.KF_NTA_V))),
-                                  ("rows ahead", (("K", K.KF_AHEAD_K), ("V", K.KF_AHEAD_V))))
-               if any(f & b for _, b in bits)]
+        how = ["nta"] if f & K.KF_NTA else []
+        ahead = [n for n, b in (("K", K.KF_AHEAD_K), ("V", K.KF_AHEAD_V)) if f & b]
+        if ahead:
+            how.append(f"rows ahead: {', '.join(ahead)}")
         parts.append("software prefetch" + (f" ({'; '.join(how)})" if how else ""))
     return ", ".join(parts)
 

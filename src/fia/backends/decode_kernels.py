@@ -43,9 +43,9 @@ from .decode_simd import (HAS_DP, KIND_BF16, KIND_F32, KIND_FP16, KIND_I4, KIND_
 from .decode_vnni import HAS_VNNI, pv_i8, qk_i8
 
 # ip[IP_DP] of a call (kernel choice): the bf16 dp kernels where the CPU has AVX512-BF16 (decode_simd.HAS_DP),
-# the other stream prefetched by the IR kernels (DP_NTA: with prefetchnta, not prefetcht1, for bf16 / int8 rows:
-# session 8, two threads, interleaved A/B: int8 +8-13 %, paged bf16 +7-9 %, bf16 dense 0-4 %, fp16 -2-4 %
-# hence t1 kept there). (bf16 / fp16 / int8 K and V that the dp kernels do not take
+# the other stream prefetched by the IR kernels (DP_NTA: with prefetchnta, not prefetcht1: session 8, two
+# threads, interleaved A/B: int8 +8-13 %, paged bf16 +7-9 %, bf16 dense 0-4 %; fp16 -2-4 % without DP_AHEAD
+# but +7-22 % with it). (bf16 / fp16 / int8 K and V that the dp kernels do not take
 # go through the float32 FMA kernels of decode_fma when the head dim is a multiple of 16.)
 # int8 K / V use the 16-bit integer dot-product kernels of decode_vnni where the CPU has AVX512-VNNI.
 # DP_AHEAD: each kernel also requests its own rows AHEAD_BYTES ahead into L1 (at most 63 rows; session 8, two
@@ -682,9 +682,8 @@ def _copy_strided(src, o, st, dst, c, n):
 
 
 # what kernel_flags reports (bits)
-KF_DP_QK, KF_DP_PV, KF_I8_QK, KF_I8_PV, KF_FMA_QK, KF_FMA_PV, KF_PREFETCH, KF_NTA_K, KF_NTA_V = (
-    1, 2, 4, 8, 16, 32, 64, 128, 256)
-KF_AHEAD_K, KF_AHEAD_V = 512, 1024
+KF_DP_QK, KF_DP_PV, KF_I8_QK, KF_I8_PV, KF_FMA_QK, KF_FMA_PV, KF_PREFETCH, KF_NTA, KF_AHEAD_K, KF_AHEAD_V = (
+    1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 @njit(cache=True, inline="always")
@@ -722,11 +721,8 @@ def kernel_flags(ip):
         f |= KF_FMA_PV
     if (ip[IP_DP] & DP_PREFETCH) != 0:             # prefetch the other stream inside the IR kernels
         f |= KF_PREFETCH
-        if (ip[IP_DP] & DP_NTA) != 0:              # with prefetchnta, except fp16 rows (see DP_NTA)
-            if k_kind != KIND_FP16:
-                f |= KF_NTA_K
-            if v_kind != KIND_FP16:
-                f |= KF_NTA_V
+        if (ip[IP_DP] & DP_NTA) != 0:              # with prefetchnta (see DP_NTA)
+            f |= KF_NTA
         if (ip[IP_DP] & DP_AHEAD) != 0:            # own rows ahead (see DP_AHEAD): QK, PV except int8 V
             f |= KF_AHEAD_K
             if v_kind != KIND_I8:
@@ -860,8 +856,9 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
     k_es, k_row = elem_layout(k_kind, D)              # bytes per element, elements per row (prefetching)
     v_es, v_row = elem_layout(v_kind, Dv)
     # the other-stream prefetch hints: the K row size and hints travel to PV, the V ones to QK
-    k_es += PF_NTA if (kf_ & KF_NTA_K) != 0 else 0     # prefetchnta instead of t1 (see DP_NTA)
-    v_es += PF_NTA if (kf_ & KF_NTA_V) != 0 else 0
+    if (kf_ & KF_NTA) != 0:                            # prefetchnta instead of t1 (see DP_NTA)
+        k_es += PF_NTA
+        v_es += PF_NTA
     if (kf_ & KF_AHEAD_K) != 0:                        # QK's own K rows ahead (see DP_AHEAD)
         v_es += PF_AHEAD * min(63, max(1, AHEAD_BYTES // ((k_es & 255) * k_row)))
     if (kf_ & KF_AHEAD_V) != 0:                        # PV's own V rows ahead
