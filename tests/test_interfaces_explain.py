@@ -1,6 +1,8 @@
 """Explainable dispatch: fia.explain(...) says which backend would run and why the others cannot."""
 from typing import List
 
+import os
+
 import pytest
 import torch
 
@@ -142,6 +144,8 @@ def test_explain_names_the_decode_kernels(monkeypatch):
     q = randn((1, 8, 1, 128), g).to(torch.bfloat16)
     k, v = (randn((1, 2, 64, 128), g).to(torch.bfloat16) for _ in range(2))
     dp = "bf16 dot products (AVX512-BF16)" if K.HAS_DP else "float32 FMA"
+    kernels = K.DP_FLAGS & ~(K.DP_PREFETCH | K.DP_NTA | K.DP_AHEAD)
+    monkeypatch.setattr(K, "DP_FLAGS", kernels | K.PREFETCH_POLICIES["nta+ahead"])
     assert _kernel_line(q, k, v) == f"kernels: QK {dp}, PV {dp}, software prefetch (nta; rows ahead: K, V)"
     assert _kernel_line(q.half(), k.half(), v.half()) == (
         "kernels: QK float32 FMA, PV float32 FMA, software prefetch (nta; rows ahead: K, V)")
@@ -153,7 +157,42 @@ def test_explain_names_the_decode_kernels(monkeypatch):
         f"kernels: QK {i8}, PV {i8}, software prefetch (nta; rows ahead: K)")
     assert _kernel_line(q[..., :40].contiguous(), k[..., :40].contiguous(), v[..., :40].contiguous()) == (
         "kernels: QK generic float32 loops, PV generic float32 loops")
+    monkeypatch.setattr(K, "DP_FLAGS", kernels | K.PREFETCH_POLICIES["t1"])
+    assert _kernel_line(q, k, v) == f"kernels: QK {dp}, PV {dp}, software prefetch (t1)"
+    monkeypatch.setattr(K, "DP_FLAGS", kernels | K.PREFETCH_POLICIES["t1+ahead"])
+    assert _kernel_line(q, k8, v8, key_antiquant_scale=sc, value_antiquant_scale=sc, key_antiquant_mode=0,
+                        value_antiquant_mode=0) == f"kernels: QK {i8}, PV {i8}, software prefetch (t1; rows ahead: K)"
     monkeypatch.setattr(K, "DP_FLAGS", K.DP_PREFETCH)
-    assert _kernel_line(q, k, v) == "kernels: QK float32 FMA, PV float32 FMA, software prefetch"
+    assert _kernel_line(q, k, v) == "kernels: QK float32 FMA, PV float32 FMA, software prefetch (t1)"
     monkeypatch.setattr(K, "DP_FLAGS", 0)
     assert _kernel_line(q, k, v) == "kernels: QK float32 FMA, PV float32 FMA"
+
+
+def _prefetch_policy_in_subprocess(value):
+    import subprocess
+    import sys
+    env = dict(os.environ, FIA_DECODE_PREFETCH=value)
+    code = ("import warnings; warnings.simplefilter('always')\n"
+            "from fia.backends import decode_kernels as K\n"
+            "print(K.PREFETCH_POLICY, K.PREFETCH_DEFAULT, K.DP_FLAGS & (K.DP_PREFETCH | K.DP_NTA | K.DP_AHEAD))")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    policy, default, bits = r.stdout.split()
+    return policy, default, int(bits), r.stderr
+
+
+def test_decode_prefetch_policy_follows_the_cpu_and_the_environment():
+    """The software-prefetch policy of the decode kernels: by CPU vendor (AMD: nta + own rows ahead; others:
+    t1), FIA_DECODE_PREFETCH overrides it, and an unknown value warns (naming the variable and the choices)
+    and keeps the default instead of breaking `import fia`."""
+    pytest.importorskip("numba")
+    from fia.backends import decode_kernels as K
+    from fia.backends.decode_simd import target_has
+    assert K.PREFETCH_DEFAULT == ("nta+ahead" if target_has("sse4a") else "t1")
+    assert K.PREFETCH_POLICIES["t1"] == K.DP_PREFETCH
+    assert K.PREFETCH_POLICIES["nta+ahead"] == K.DP_PREFETCH | K.DP_NTA | K.DP_AHEAD
+    policy, default, bits, _ = _prefetch_policy_in_subprocess("t1+ahead")
+    assert (policy, bits) == ("t1+ahead", K.DP_PREFETCH | K.DP_AHEAD)
+    policy, default, bits, err = _prefetch_policy_in_subprocess("fast")
+    assert policy == default == K.PREFETCH_DEFAULT and bits == K.PREFETCH_POLICIES[default]
+    assert "FIA_DECODE_PREFETCH" in err and "'fast'" in err and "nta+ahead" in err

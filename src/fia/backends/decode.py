@@ -197,7 +197,7 @@ def _kernel_names(K, launch: "_Launch") -> str:
         return f"{step} generic float32 loops"
     parts = [one("QK", K.KF_DP_QK, K.KF_I8_QK, K.KF_FMA_QK), one("PV", K.KF_DP_PV, K.KF_I8_PV, K.KF_FMA_PV)]
     if f & K.KF_PREFETCH and f & (K.KF_DP_QK | K.KF_I8_QK | K.KF_FMA_QK):
-        how = ["nta"] if f & K.KF_NTA else []
+        how = ["nta" if f & K.KF_NTA else "t1"]
         ahead = [n for n, b in (("K", K.KF_AHEAD_K), ("V", K.KF_AHEAD_V)) if f & b]
         if ahead:
             how.append(f"rows ahead: {', '.join(ahead)}")

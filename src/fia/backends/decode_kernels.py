@@ -31,6 +31,9 @@ Integer parameters travel in one int64 array `ip` (indices below) to keep the ca
 """
 from __future__ import annotations
 
+import os
+import warnings
+
 import numpy as np
 from llvmlite import ir
 from numba import carray, njit, types
@@ -39,7 +42,7 @@ from numba.extending import intrinsic, overload
 
 from .decode_fma import F16C, pv_fma, qk_fma
 from .decode_simd import (HAS_DP, KIND_BF16, KIND_F32, KIND_FP16, KIND_I4, KIND_I8, PF_AHEAD, PF_NTA, max_f32,
-                          pv_dp, qk_dp)
+                          pv_dp, qk_dp, target_has)
 from .decode_vnni import HAS_VNNI, pv_i8, qk_i8
 
 # ip[IP_DP] of a call (kernel choice): the bf16 dp kernels where the CPU has AVX512-BF16 (decode_simd.HAS_DP),
@@ -53,7 +56,20 @@ from .decode_vnni import HAS_VNNI, pv_i8, qk_i8
 # the PV request for int8 V measured -4 % and is left out; 2 / 4 / 6 / 8 KB ahead: bf16 and int8 level,
 # fp16 best at 8 KB).
 DP_QK, DP_PV, DP_PREFETCH, DP_I8, DP_NTA, DP_AHEAD = 1, 2, 4, 8, 16, 32
-DP_FLAGS = (DP_QK | DP_PV if HAS_DP else 0) | (DP_I8 if HAS_VNNI else 0) | DP_PREFETCH | DP_NTA | DP_AHEAD
+# Which prefetch policy pays depends on the CPU (two threads, bench shapes, same code, GB/s):
+# * AMD Zen 5 (session 8): nta + ahead 37-43, t1 alone 33-36 -> "nta+ahead";
+# * Intel Xeon with AMX (sessions 7 and 9): t1 alone 20-22.6, t1 + ahead 19-20, nta 18-21, nta + ahead 8.3-8.9
+#   (prefetchnta lines land in L1 only there and are evicted before the use a chunk later), none 14.5-15 -> "t1".
+# The default follows the vendor (sse4a: AMD only); FIA_DECODE_PREFETCH overrides it.
+PREFETCH_POLICIES = {"off": 0, "t1": DP_PREFETCH, "t1+ahead": DP_PREFETCH | DP_AHEAD,
+                     "nta": DP_PREFETCH | DP_NTA, "nta+ahead": DP_PREFETCH | DP_NTA | DP_AHEAD}
+PREFETCH_DEFAULT = "nta+ahead" if target_has("sse4a") else "t1"
+PREFETCH_POLICY = os.environ.get("FIA_DECODE_PREFETCH", "") or PREFETCH_DEFAULT
+if PREFETCH_POLICY not in PREFETCH_POLICIES:     # a typo must not break `import fia`: say so, keep the default
+    warnings.warn(f"FIA_DECODE_PREFETCH: expected one of {', '.join(PREFETCH_POLICIES)}, got "
+                  f"{PREFETCH_POLICY!r}; using {PREFETCH_DEFAULT!r}", RuntimeWarning, stacklevel=2)
+    PREFETCH_POLICY = PREFETCH_DEFAULT
+DP_FLAGS = (DP_QK | DP_PV if HAS_DP else 0) | (DP_I8 if HAS_VNNI else 0) | PREFETCH_POLICIES[PREFETCH_POLICY]
 AHEAD_BYTES = 8192              # 32 rows of bf16 / fp16 at D = 128, 63 of int8
 
 # fastmath without nnan / ninf: NaN and Inf in the inputs must propagate (SPEC 14)
