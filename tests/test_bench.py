@@ -86,7 +86,9 @@ def test_wrong_answer_is_not_timed(monkeypatch):
 
 def test_case_table_and_cli_list(capsys):
     names = [c.name for c in C.full_table()]
-    assert len(names) == len(set(names)) == 43
+    assert len(names) == len(set(names)) == 45
+    mtp = C.multi_token_decode_case(4, 4096)
+    assert mtp.name in names and mtp.S_q == 4 and mtp.kv_bytes() == C.decode_case("bf16", "dense", 4096).kv_bytes()
     assert main(["--quick", "--list", "--cases", "prefill"]) == 0
     out = capsys.readouterr().out.split()
     assert out and all("prefill" in n for n in out)

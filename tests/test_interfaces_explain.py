@@ -159,6 +159,13 @@ def test_explain_names_the_decode_kernels(monkeypatch):
         "kernels: QK generic float32 loops, PV generic float32 loops")
     monkeypatch.setattr(K, "DP_FLAGS", kernels | K.PREFETCH_POLICIES["t1"])
     assert _kernel_line(q, k, v) == f"kernels: QK {dp}, PV {dp}, software prefetch (t1)"
+    # 8 query rows per KV head: AMX tiles where the CPU has them (K.AMX_MIN_ROWS)
+    q8 = randn((1, 16, 1, 128), g).to(torch.bfloat16)
+    amx = "bf16 AMX tiles (16-key blocks; the rest AVX512-BF16)" if K.HAS_AMX and K.HAS_DP else dp
+    assert _kernel_line(q8, k, v) == f"kernels: QK {amx}, PV {amx}, software prefetch (t1)"
+    monkeypatch.setattr(K, "DP_FLAGS", (kernels & ~K.DP_AMX) | K.PREFETCH_POLICIES["t1"])
+    assert _kernel_line(q8, k, v) == f"kernels: QK {dp}, PV {dp}, software prefetch (t1)"
+    monkeypatch.setattr(K, "DP_FLAGS", kernels | K.PREFETCH_POLICIES["t1"])
     monkeypatch.setattr(K, "DP_FLAGS", kernels | K.PREFETCH_POLICIES["t1+ahead"])
     assert _kernel_line(q, k8, v8, key_antiquant_scale=sc, value_antiquant_scale=sc, key_antiquant_mode=0,
                         value_antiquant_mode=0) == f"kernels: QK {i8}, PV {i8}, software prefetch (t1; rows ahead: K)"

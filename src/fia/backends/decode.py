@@ -187,7 +187,9 @@ def _kernel_names(K, launch: "_Launch") -> str:
     """The kernels of one launch in words (K.kernel_flags decides them; fia.explain shows this)."""
     f = int(K.kernel_flags(launch.ip))
 
-    def one(step, dp, i8, fma):
+    def one(step, dp, i8, fma, amx):
+        if f & amx:
+            return f"{step} bf16 AMX tiles (16-key blocks; the rest AVX512-BF16)"
         if f & dp:
             return f"{step} bf16 dot products (AVX512-BF16)"
         if f & i8:
@@ -195,7 +197,8 @@ def _kernel_names(K, launch: "_Launch") -> str:
         if f & fma:
             return f"{step} float32 FMA"
         return f"{step} generic float32 loops"
-    parts = [one("QK", K.KF_DP_QK, K.KF_I8_QK, K.KF_FMA_QK), one("PV", K.KF_DP_PV, K.KF_I8_PV, K.KF_FMA_PV)]
+    parts = [one("QK", K.KF_DP_QK, K.KF_I8_QK, K.KF_FMA_QK, K.KF_AMX_QK),
+             one("PV", K.KF_DP_PV, K.KF_I8_PV, K.KF_FMA_PV, K.KF_AMX_PV)]
     if f & K.KF_PREFETCH and f & (K.KF_DP_QK | K.KF_I8_QK | K.KF_FMA_QK):
         how = ["nta" if f & K.KF_NTA else "t1"]
         ahead = [n for n, b in (("K", K.KF_AHEAD_K), ("V", K.KF_AHEAD_V)) if f & b]

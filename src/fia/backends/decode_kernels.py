@@ -40,6 +40,7 @@ from numba import carray, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from .decode_amx import HAS_AMX, PV_MAX_DV, QK_MAX_CHUNKS, QK_MAX_ROWS, pv_amx, qk_amx
 from .decode_fma import F16C, pv_fma, qk_fma
 from .decode_simd import (HAS_DP, KIND_BF16, KIND_F32, KIND_FP16, KIND_I4, KIND_I8, PF_AHEAD, PF_NTA, max_f32,
                           pv_dp, qk_dp, target_has)
@@ -55,7 +56,7 @@ from .decode_vnni import HAS_VNNI, pv_i8, qk_i8
 # threads, interleaved A/B against nta alone: bf16 dense +9-12 %, fp16 +7-25 %, int8 +9-13 %, paged +2-9 %;
 # the PV request for int8 V measured -4 % and is left out; 2 / 4 / 6 / 8 KB ahead: bf16 and int8 level,
 # fp16 best at 8 KB).
-DP_QK, DP_PV, DP_PREFETCH, DP_I8, DP_NTA, DP_AHEAD = 1, 2, 4, 8, 16, 32
+DP_QK, DP_PV, DP_PREFETCH, DP_I8, DP_NTA, DP_AHEAD, DP_AMX, DP_AMX_ANY = 1, 2, 4, 8, 16, 32, 64, 128
 # Which prefetch policy pays depends on the CPU (two threads, bench shapes, same code, GB/s):
 # * AMD Zen 5 (session 8): nta + ahead 37-43, t1 alone 33-36 -> "nta+ahead";
 # * Intel Xeon with AMX (sessions 7 and 9): t1 alone 20-22.6, t1 + ahead 19-20, nta 18-21, nta + ahead 8.3-8.9
@@ -69,7 +70,14 @@ if PREFETCH_POLICY not in PREFETCH_POLICIES:     # a typo must not break `import
     warnings.warn(f"FIA_DECODE_PREFETCH: expected one of {', '.join(PREFETCH_POLICIES)}, got "
                   f"{PREFETCH_POLICY!r}; using {PREFETCH_DEFAULT!r}", RuntimeWarning, stacklevel=2)
     PREFETCH_POLICY = PREFETCH_DEFAULT
-DP_FLAGS = (DP_QK | DP_PV if HAS_DP else 0) | (DP_I8 if HAS_VNNI else 0) | PREFETCH_POLICIES[PREFETCH_POLICY]
+# DP_AMX: the bf16 dp kernels run their whole 16-key blocks on AMX tiles (decode_amx) where the CPU has them,
+# for items of AMX_MIN_ROWS query rows or more (DP_AMX_ANY: any count; tests). Session 9, two threads, KV
+# from DRAM, AMX vs dp: 4 rows (GQA 4, one token) -3 % (QK alone -11 %: its tile loads from DRAM stall
+# the core although it computes twice as fast in L2: 19.4 vs 30 ns per key and KV head), 8 rows +18 %,
+# 16 rows +60 %.
+AMX_MIN_ROWS = 8
+DP_FLAGS = ((DP_QK | DP_PV if HAS_DP else 0) | (DP_I8 if HAS_VNNI else 0) | (DP_AMX if HAS_AMX else 0)
+            | PREFETCH_POLICIES[PREFETCH_POLICY])
 AHEAD_BYTES = 8192              # 32 rows of bf16 / fp16 at D = 128, 63 of int8
 
 # fastmath without nnan / ninf: NaN and Inf in the inputs must propagate (SPEC 14)
@@ -698,8 +706,8 @@ def _copy_strided(src, o, st, dst, c, n):
 
 
 # what kernel_flags reports (bits)
-KF_DP_QK, KF_DP_PV, KF_I8_QK, KF_I8_PV, KF_FMA_QK, KF_FMA_PV, KF_PREFETCH, KF_NTA, KF_AHEAD_K, KF_AHEAD_V = (
-    1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+(KF_DP_QK, KF_DP_PV, KF_I8_QK, KF_I8_PV, KF_FMA_QK, KF_FMA_PV, KF_PREFETCH, KF_NTA, KF_AHEAD_K, KF_AHEAD_V,
+ KF_AMX_QK, KF_AMX_PV) = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
 @njit(cache=True, inline="always")
@@ -719,6 +727,12 @@ def kernel_flags(ip):
         f |= KF_DP_QK
     if (ip[IP_DP] & DP_PV) != 0 and v_kind == KIND_BF16 and ip[IP_VT_MODE] == 0 and Dv % 64 == 0:
         f |= KF_DP_PV
+    # ... their 16-key blocks on AMX tiles (decode_amx; query rows in groups of 16 for QK)
+    amx = (ip[IP_DP] & DP_AMX) != 0 and (ip[IP_R] >= AMX_MIN_ROWS or (ip[IP_DP] & DP_AMX_ANY) != 0)
+    if amx and (f & KF_DP_QK) != 0 and D <= 32 * QK_MAX_CHUNKS:
+        f |= KF_AMX_QK
+    if amx and (f & KF_DP_PV) != 0 and Dv <= PV_MAX_DV:
+        f |= KF_AMX_PV
     # int16 x int8 dot-product kernels (decode_vnni) for int8 K / V: the query (times the key scales) and the
     # probabilities quantized to int16 per row (quant_i16). Not for a float32 query (portable mode): its
     # float32 output is held to float32 accuracy, the float32 kernels keep it. (PV falls back to FMA for a
@@ -794,6 +808,8 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
     kf_ = kernel_flags(ip)
     dp_qk = (kf_ & KF_DP_QK) != 0
     dp_pv = (kf_ & KF_DP_PV) != 0
+    amx_qk = (kf_ & KF_AMX_QK) != 0
+    amx_pv = (kf_ & KF_AMX_PV) != 0
     pf = (kf_ & KF_PREFETCH) != 0
     i8_qk = (kf_ & KF_I8_QK) != 0
     i8_pv = (kf_ & KF_I8_PV) != 0
@@ -903,9 +919,20 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
                          vts, vto, tsv, tov)
         # ---- K chunk -> scores (the softmax scale is folded into q)
         if dp_qk:
-            # V rows of the same keys are requested on the way
-            qk_dp(q2.ctypes.data, q2.shape[1] * 2, kbuf.ctypes.data, koff.ctypes.data, n, s.ctypes.data,
-                  s.shape[1], R, D, scale, vbuf.ctypes.data, voff.ctypes.data, n if pf else 0, v_row, v_es)
+            # V rows of the same keys are requested on the way. AMX: the whole 16-key blocks, 16 query rows
+            # at a time (the first group prefetches), then the rest of the keys as below
+            n0 = 0
+            if amx_qk:
+                n0 = n & ~15
+                for r0 in range(0, R, QK_MAX_ROWS):
+                    qk_amx(q2.ctypes.data + r0 * q2.shape[1] * 2, q2.shape[1] * 2, kbuf.ctypes.data,
+                           koff.ctypes.data, n0, s.ctypes.data + r0 * s.shape[1] * 4, s.shape[1],
+                           min(QK_MAX_ROWS, R - r0), D, scale, vbuf.ctypes.data, voff.ctypes.data,
+                           n0 if pf and r0 == 0 else 0, v_row, v_es)
+            if n0 < n:
+                qk_dp(q2.ctypes.data, q2.shape[1] * 2, kbuf.ctypes.data, koff.ctypes.data + 8 * n0, n - n0,
+                      s.ctypes.data + 4 * n0, s.shape[1], R, D, scale, vbuf.ctypes.data, voff.ctypes.data + 8 * n0,
+                      n - n0 if pf else 0, v_row, v_es)
         elif i8_qk:
             qk_i8(q2.ctypes.data, q2.shape[1] * 2, kbuf.ctypes.data, koff.ctypes.data, n, s.ctypes.data,
                   s.shape[1], R, D, isc.ctypes.data, vbuf.ctypes.data, voff.ctypes.data, n if pf else 0, v_row, v_es)
@@ -995,8 +1022,14 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
                 nn = min(C, hi - c0 - C)
                 row_offsets(tbl, i, c0 + C, nn, bs, k_blk, h * k_h, k_s, knext)
             if dp_pv:
-                pv_dp(p2.ctypes.data, p2.shape[1] * 2, vbuf.ctypes.data, voff.ctypes.data, n, acc.ctypes.data,
-                      Dv, R, Dv, kbuf.ctypes.data, knext.ctypes.data, nn, k_row, k_es)
+                n0 = n & ~15 if amx_pv else 0            # AMX: the whole 16-key blocks (they prefetch)
+                if n0 > 0:
+                    pv_amx(p2.ctypes.data, p2.shape[1] * 2, vbuf.ctypes.data, voff.ctypes.data, n0,
+                           acc.ctypes.data, Dv, R, Dv, kbuf.ctypes.data, knext.ctypes.data, nn, k_row, k_es)
+                    nn = 0
+                if n0 < n:
+                    pv_dp(p2.ctypes.data + 2 * n0, p2.shape[1] * 2, vbuf.ctypes.data, voff.ctypes.data + 8 * n0,
+                          n - n0, acc.ctypes.data, Dv, R, Dv, kbuf.ctypes.data, knext.ctypes.data, nn, k_row, k_es)
             elif use_i8:
                 pv_i8(p2.ctypes.data, p2.shape[1] * 2, vbuf.ctypes.data, voff.ctypes.data, n, acc.ctypes.data,
                       Dv, R, Dv, isc.ctypes.data + 4 * R, kbuf.ctypes.data, knext.ctypes.data, nn, k_row, k_es)

@@ -83,6 +83,12 @@ def decode_case(dtype: str, storage: str, S_kv: int, B=8, N=32, KV_N=8, D=128) -
     return Case(f"decode-{dtype}-{tag}-kv{S_kv}", "decode", dtype, B, N, KV_N, D, 1, S_kv, storage=storage)
 
 
+def multi_token_decode_case(S_q: int, S_kv: int, dtype="bf16") -> Case:
+    """Short multi-token decode (speculative / MTP steps): S_q query tokens per batch, 4 S_q query rows per
+    KV head; the compute grows with S_q while the KV bytes do not."""
+    return Case(f"decode-{dtype}-dense-qs{S_q}-kv{S_kv}", "decode", dtype, 8, 32, 8, 128, S_q, S_kv)
+
+
 def small_decode_case() -> Case:
     """Issue 7's small call: the per-call host cost (validation, dispatch, launch) dominates here."""
     return Case("decode-bf16-small-b1n8-kv128", "decode", "bf16", 1, 8, 8, 128, 1, 128, min_repeats=300)
@@ -95,6 +101,7 @@ def prefill_case(dtype: str, mask: str, S: int, B=1, N=32, KV_N=8, D=128) -> Cas
 def full_table() -> list[Case]:
     cases = [small_decode_case()]
     cases += [decode_case(dt, st, s) for s in (1024, 4096, 16384) for dt in DTYPES for st in STORAGES]
+    cases += [multi_token_decode_case(q, 4096) for q in (2, 4)]
     cases += [prefill_case(dt, m, s) for s in (1024, 2048, 8192) for dt in ("bf16", "fp16") for m in MASKS]
     return cases
 
