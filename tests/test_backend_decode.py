@@ -851,15 +851,16 @@ def test_declared_limits():
         with fia.use_backend("decode"), pytest.raises(fia.FiaUnsupportedError, match="float64"):
             fia.npu_fused_infer_attention_score(q64, q64, q64, num_heads=2, input_layout="BNSD")
     assert be.devices == ("cpu",)
-    # many query rows per KV head with Q_S > 1 (G * Q_S > 32): dispatch prefers the faster prefill backend,
-    # but decode still runs them when forced (a preference, not a limit)
-    q16 = randn((1, 8, 16, 32), g)
+    # many query rows per KV head with Q_S > 1 (G * Q_S > DEC.PREFILL_ROWS = 128): dispatch prefers the
+    # prefill backend, but decode still runs them when forced (a preference, not a limit); 64 rows: decode
+    q16 = randn((1, 32, 16, 32), g)
     p16 = _problem(q16, k, v)
     assert not be.not_supported_reasons(p16) and be.preference(p16) < be.priority
+    assert be.preference(_problem(randn((1, 8, 16, 32), g), k, v)) == be.priority
     if any(b.name == "prefill" for b in registry.backends()):
         with fia.use_backend(None):
             assert registry.select(p16).name == "prefill"
-    kw = dict(num_heads=8, num_key_value_heads=2, input_layout="BNSD", softmax_lse_flag=True)
+    kw = dict(num_heads=32, num_key_value_heads=2, input_layout="BNSD", softmax_lse_flag=True)
     with fia.use_backend("decode"):
         out_d, lse_d = fia.npu_fused_infer_attention_score(q16, k, v, **kw)
     with fia.use_backend("reference"):

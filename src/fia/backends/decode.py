@@ -48,7 +48,7 @@ MIN_SPLIT = 512             # fewest keys of a split (smaller splits cost more i
 ITEMS_PER_THREAD = 4        # split long sequences until there are about this many items per thread
 CHUNK_FLOATS = 32768        # keys per chunk = CHUNK_FLOATS // head dim (256 for D = 128), measured best
 PARALLEL_MIN_WORK = 16384   # keys x rows below which one thread does everything (no pool hand-off)
-PREFILL_ROWS = 32           # Q_S > 1 with more rows per KV head than this: prefer the prefill backend
+PREFILL_ROWS = 128          # Q_S > 1 with more rows per KV head than this: prefer the prefill backend
 PREFILL_PRIORITY = PrefillBackend.priority
 _BIG = 1 << 40              # "infinite" block size of unpaged storage
 
@@ -161,7 +161,9 @@ class DecodeBackend(Backend):
 
     def preference(self, p: AttentionProblem) -> int:
         """Q_S > 1 with more than PREFILL_ROWS query rows per KV head: rank below the prefill backend, which
-        is faster there (measured, docs/PERF_DECODE.md iteration 11); it still runs when forced."""
+        is faster there for fp16 (measured, docs/PERF_DECODE.md iteration 11 and session 9: at 256 rows
+        decode / prefill bf16 17.6 / 35.7 ms, fp16 33.2 / 24.6; at 128 rows and below decode wins for bf16,
+        fp16 and float32); it still runs when forced."""
         if p.Q_S > 1 and p.G * p.Q_S > PREFILL_ROWS:
             return PREFILL_PRIORITY - 1
         return self.priority
