@@ -188,3 +188,15 @@ def test_near_ceiling_is_measured_around_the_decode_timing():
     assert "near_ceiling" not in pre and "pct_near" not in pre["fia"]
     assert "near_ceiling" not in runner.run_case(TINY[1], FAKE, opts, fia)
     assert 0.1 < machine.ReadProbe(8 << 20, 3).gbps() < 10000
+
+
+def test_cache_note_names_a_large_last_level_cache():
+    """A last-level cache that can hold a decode case's K/V is named under the ceilings (the case's rate may
+    include cache hits); a small or unknown one is not."""
+    from fia.bench.machine import Ceilings, _llc_mb
+    from fia.bench.report import _cache_lines
+    assert _cache_lines({"llc_mb": 0}) == [] and _cache_lines({"llc_mb": 32.0}) == [] and _cache_lines({}) == []
+    big = _cache_lines({"llc_mb": 480.0})
+    assert len(big) == 1 and "480 MB" in big[0] and "read probe" in big[0]
+    assert "read probe" not in _cache_lines({"llc_mb": 96.0})[0]
+    assert _llc_mb() >= 0 and Ceilings(1.0, 1.0, {"fp32": 1.0}, {"fp32": 8}).to_dict()["llc_mb"] == _llc_mb()

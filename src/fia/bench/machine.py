@@ -112,6 +112,8 @@ class Ceilings:
     # OpenMP workers that spin after each torch op take a core from the next call on small machines
     # (docs/PERF_DECODE.md, deployment note); scripts/main.sh sets PASSIVE
     omp_wait_policy: str = field(default_factory=lambda: os.environ.get("OMP_WAIT_POLICY", "unset"))
+    # the last-level cache the OS reports (MB, 0 unknown): K / V below it can stay cached between calls
+    llc_mb: float = field(default_factory=lambda: _llc_mb())
 
     def prefill_ceiling(self, dtype_name: str):
         """(TFLOP/s, basis) — the best of the dtype's native mm and fp32 mm (see module doc)."""
@@ -142,6 +144,28 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def _llc_mb() -> float:
+    """Size of the highest cache level of CPU 0 in MB (Linux sysfs; 0 when unknown). On a VM this is the
+    host's cache as the hypervisor reports it, shared with other guests."""
+    best_level, size = 0, 0.0
+    try:
+        base = "/sys/devices/system/cpu/cpu0/cache"
+        for d in os.listdir(base):
+            if not d.startswith("index"):
+                continue
+            with open(f"{base}/{d}/level") as f:
+                level = int(f.read())
+            with open(f"{base}/{d}/size") as f:
+                txt = f.read().strip()
+            mult = {"K": 1 / 1024, "M": 1.0, "G": 1024.0}.get(txt[-1:], 1 / (1 << 20))
+            val = float(txt.rstrip("KMG")) * mult
+            if level > best_level or (level == best_level and val > size):
+                best_level, size = level, val
+    except (OSError, ValueError):
+        return 0.0
+    return size
 
 
 def _cpu_capability() -> str:
