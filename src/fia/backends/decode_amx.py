@@ -36,7 +36,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .decode_simd import (F32, I32, I64, V16F, V16I, _c, _declare, _first_only, _gep, _load, _other_stream,
+from .decode_simd import (I32, I64, V16F, V16I, _c, _declare, _first_only, _gep, _load, _other_stream,
                           _outlined, _prefetch_rows, _ptr, _shuffle, _splat, _store, _switch, _var, target_has)
 
 I8 = ir.IntType(8)
