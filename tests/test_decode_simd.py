@@ -238,3 +238,44 @@ def test_f32_to_half_software_rounding_matches_torch():
     nan = np.isnan(x)
     np.testing.assert_array_equal(out[~nan], ref[~nan])
     assert np.isnan(out[nan].view(np.float16)).all()
+
+
+@njit
+def _exp_rows(s, n, mx, p, mode, inv):
+    return S.exp_rows(s.ctypes.data, n, mx, p.ctypes.data, mode, inv)
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2])
+@pytest.mark.parametrize("n", [16, 37, 256])
+def test_exp_rows_matches_the_scalar_pass(mode, n):
+    """exp_rows (the 16-lane softmax pass) against decode_kernels' scalar fexp / bf16 rounding / int16
+    quantization on the same scores: whole 16-score blocks only (the rest untouched), NaN, -inf, very
+    negative and zero differences included, the sum of the written values returned."""
+    from fia.backends import decode_kernels as K
+    g = np.random.default_rng(n * 10 + mode)
+    x = (g.standard_normal(n) * 6 - 3).astype(np.float32)
+    x[:6] = [np.nan, -np.inf, -100.0, -87.5, 0.0, 1.0]
+    mx = np.float32(1.0)
+    n16 = n - n % 16
+    s = x.copy()
+    p = np.full(n + 2, 0xABCD, np.uint16)
+    inv = np.float32(32767.0 / 0.9)
+    total = _exp_rows(s, n, mx, p, mode, inv)
+    want = np.array([K.fexp(np.float32(v - mx)) for v in x[:n16]], np.float32)
+    np.testing.assert_allclose(s[:n16], want, rtol=2e-7, atol=1e-30, equal_nan=True)
+    assert np.isnan(s[0]) and s[1] == 0 and s[2] == 0 and s[4] == want[4]
+    assert np.array_equal(s[n16:], x[n16:])                        # the tail is the caller's
+    assert np.isnan(total)                                          # a NaN score makes the sum NaN
+    clean = x.copy()
+    clean[0] = -1.0
+    total = _exp_rows(clean, n, mx, p.copy(), mode, inv)
+    np.testing.assert_allclose(total, np.nansum(want[1:]) + K.fexp(np.float32(-2.0)) if n16 else 0.0, rtol=1e-5)
+    if mode == 1:
+        assert np.array_equal(p[:n16], [K.f32_to_bf16_bits(v) for v in s[:n16]])
+    elif mode == 2:
+        fin = ~np.isnan(s[:n16])
+        q = np.minimum(np.rint(s[:n16][fin] * inv), 32767).astype(np.int16)
+        assert np.array_equal(p[:n16].view(np.int16)[fin], q)
+    else:
+        assert (p[:n16] == 0xABCD).all()
+    assert (p[n16:] == 0xABCD).all()

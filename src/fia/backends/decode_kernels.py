@@ -42,8 +42,8 @@ from numba.extending import intrinsic, overload
 
 from .decode_amx import HAS_AMX, PV_MAX_DV, QK_MAX_CHUNKS, QK_MAX_ROWS, pv_amx, qk_amx
 from .decode_fma import F16C, pv_fma, qk_fma
-from .decode_simd import (HAS_DP, KIND_BF16, KIND_F32, KIND_FP16, KIND_I4, KIND_I8, PF_AHEAD, PF_NTA, max_f32,
-                          pv_dp, qk_dp, target_has)
+from .decode_simd import (HAS_DP, KIND_BF16, KIND_F32, KIND_FP16, KIND_I4, KIND_I8, PF_AHEAD, PF_NTA, exp_rows,
+                          max_f32, pv_dp, qk_dp, target_has)
 from .decode_vnni import HAS_VNNI, pv_i8, qk_i8
 
 # ip[IP_DP] of a call (kernel choice): the bf16 dp kernels where the CPU has AVX512-BF16 (decode_simd.HAS_DP),
@@ -603,6 +603,7 @@ def softmax_chunk(s, R, n, m, ll, vx, acc, Dv, p2, mode, wsc):
     caller then runs quant_i16 (its float64 path, or the float32 kernels). Unsigned indices: signed ones
     stop LLVM from vectorizing the loops."""
     n_ = np.uint64(n)
+    n16 = n_ & ~np.uint64(15)
     ok = True
     p2i = p2.view(np.int16)
     for r in range(R):
@@ -611,8 +612,12 @@ def softmax_chunk(s, R, n, m, ll, vx, acc, Dv, p2, mode, wsc):
         mx = cm if cm > mo else mo
         alpha = fexp(mo - mx)
         ls = np.float32(0.0)
+        # whole 16-score blocks in decode_simd.exp_rows (16 lanes), the tail here
+        srow = s.ctypes.data + r * s.strides[0]
+        prow = p2.ctypes.data + r * p2.strides[0]
         if mode == 1:
-            for c in range(n_):
+            ls = exp_rows(srow, n, mx, prow, 1, np.float32(0.0))
+            for c in range(n16, n_):
                 e = fexp(s[r, c] - mx)
                 s[r, c] = e
                 p2[r, c] = f32_to_bf16_bits(e)
@@ -622,21 +627,24 @@ def softmax_chunk(s, R, n, m, ll, vx, acc, Dv, p2, mode, wsc):
             if wmax >= np.float32(1e-30):
                 inv = np.float32(32767.0) / wmax
                 wsc[r] = wmax / np.float32(32767.0)
-                for c in range(n_):
+                ls = exp_rows(srow, n, mx, prow, 2, inv)
+                for c in range(n16, n_):
                     e = fexp(s[r, c] - mx)
                     s[r, c] = e
                     p2i[r, c] = np.int16(min(np.rint(e * inv), np.float32(32767.0)))
                     ls += e
             else:
                 ok = False
-                for c in range(n_):
+                ls = exp_rows(srow, n, mx, prow, 0, np.float32(0.0))
+                for c in range(n16, n_):
                     e = fexp(s[r, c] - mx)
                     s[r, c] = e
                     ls += e
             if not (ls < np.float32(np.inf)):                   # NaN or infinite: not quantized
                 ok = False
         else:
-            for c in range(n_):
+            ls = exp_rows(srow, n, mx, prow, 0, np.float32(0.0))
+            for c in range(n16, n_):
                 e = fexp(s[r, c] - mx)
                 s[r, c] = e
                 ls += e
