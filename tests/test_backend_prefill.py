@@ -48,6 +48,9 @@ def tiles(request, monkeypatch):
             monkeypatch.setattr(be, k, v)
         monkeypatch.setattr(prefill_flash, "KT", 64)               # own kernel: many tiles, ragged items
         monkeypatch.setattr(prefill_flash, "ROWS_PER_ITEM", 5)
+    if prefill_flash.HAS_DP and os.environ.get("FIA_PREFILL_OWN", "") != "0":
+        # the own bf16 kernel also where it is not the default (CPUs with AMX: ATen's kernel, the "aten" tiles)
+        monkeypatch.setattr(prefill_flash, "ENABLED", True)
     if request.param == "aten":                                    # ATen's kernel for bf16 / fp16 / float32 too
         monkeypatch.setattr(prefill_flash, "ENABLED", False)
         monkeypatch.setattr(prefill_flash, "ENABLED_F16", False)

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -156,7 +157,17 @@ CASES = [  # B, N, KV_N, L, S, D, Dv, causal, mask[, band]
 ]
 
 
-DTYPES = [d for d, on in ((torch.bfloat16, PF.ENABLED), (torch.float16, PF.ENABLED_F16),
+# bf16: tested wherever the kernel runs natively, also where it is not the default (CPUs with AMX, whose
+# bf16 prefill goes to ATen's kernel): the autouse fixture below turns it on for these tests
+BF16_RUNS = PF.ENABLED or (PF.HAS_DP and os.environ.get("FIA_PREFILL_OWN", "") != "0")
+
+
+@pytest.fixture(autouse=True)
+def _bf16_on(monkeypatch):
+    monkeypatch.setattr(PF, "ENABLED", BF16_RUNS)
+
+
+DTYPES = [d for d, on in ((torch.bfloat16, BF16_RUNS), (torch.float16, PF.ENABLED_F16),
                            (torch.float32, PF.ENABLED_F32)) if on]
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 2e-5}
 
@@ -192,7 +203,7 @@ def test_flash_matches_float64(case, dt):
         assert (o[:, :, ::7] == 0).all() and torch.isneginf(l[:, :, ::7]).all()
 
 
-@pytest.mark.skipif(not PF.ENABLED, reason="own prefill kernel disabled on this CPU")
+@pytest.mark.skipif(not BF16_RUNS, reason="own prefill kernel disabled on this CPU")
 def test_flash_overlapping_query_views_and_nan():
     """Batch entries as overlapping strided windows (the band path), and a NaN query row."""
     torch.manual_seed(3)
@@ -219,6 +230,13 @@ def test_flash_overlapping_query_views_and_nan():
     assert not torch.isnan(o).any() and not torch.isnan(l).any()
 
 
+def test_bf16_default_follows_amx():
+    """bf16 prefill uses this kernel by default only on CPUs with AVX512-BF16 and without AMX-BF16."""
+    from fia.backends.decode_simd import target_has
+    assert PF.AMX_BF16 == target_has("amx-tile", "amx-bf16")
+    assert PF.ENABLED_DEFAULT == (PF.HAS_DP and not PF.AMX_BF16)
+
+
 def test_eligibility():
     q, k = torch.randn(1, 4, 8, 64).bfloat16(), torch.randn(1, 2, 8, 64).bfloat16()
     assert PF.eligible(q, k, k, None) == PF.ENABLED
@@ -234,7 +252,7 @@ def test_eligibility():
     assert not PF.eligible(q, k[:, :, :0], k[:, :, :0], None)                         # no keys
 
 
-@pytest.mark.skipif(not PF.ENABLED, reason="own prefill kernel disabled on this CPU")
+@pytest.mark.skipif(not BF16_RUNS, reason="own prefill kernel disabled on this CPU")
 @pytest.mark.parametrize("dtype", [torch.bool, torch.int8, torch.uint8, torch.float16])
 def test_flash_user_mask_in_place(dtype):
     """A user mask [L, S] (nonzero = masked) read in place from a row-strided view of a larger mask, with a

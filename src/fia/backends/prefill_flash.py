@@ -17,8 +17,8 @@ V), then the (batch entry, kv head, query block) items run on the decode backend
 scheduling, causal items longest first.
 
 `eligible` says when the kernel applies: CPU tensors, bf16 / float16 / float32 q / k / v (mask / bias in the
-same dtype), head dims multiples of 64; bf16 where the CPU has AVX512-BF16, float16 where it has AVX-512 and
-F16C, float32 where it has AVX-512 (FIA_PREFILL_OWN=1 forces all, emulated where the instructions are missing;
+same dtype), head dims multiples of 64; bf16 where the CPU has AVX512-BF16 and no AMX-BF16 (ATen's kernel uses
+the tiles there, ~5x faster), float16 where it has AVX-512 and F16C, float32 where it has AVX-512 (FIA_PREFILL_OWN=1 forces all, emulated where the instructions are missing;
 =0 turns the kernel off).
 """
 from __future__ import annotations
@@ -35,9 +35,14 @@ from .prefill_simd import F16C, HAS_DP
 KT = 256            # keys per tile (scores [rows, KT] float32 stay in L2 with the packed K / V tiles)
 ROWS_PER_ITEM = 96  # query rows (GQA heads x positions) per work item
 # FIA_PREFILL_OWN: "0" never use this kernel, "1" always where eligible (emulated without AVX512-BF16 / F16C);
-# unset: bf16 where the CPU has AVX512-BF16, float16 where it has AVX-512 and F16C, float32 with AVX-512
+# unset: bf16 where the CPU has AVX512-BF16 but not AMX-BF16, float16 where it has AVX-512 and F16C, float32
+# with AVX-512. With AMX, ATen's flash kernel runs its bf16 GEMMs on the tiles: session 9, quick bench,
+# bf16 causal / band / pse at 1024: ATen 11.2 / 14.6 / 20.1 ms, this kernel 55.7 / 54.0 / 101.9 ms (fp16:
+# 39.1 vs 43.2 ms, level, kept).
 _MODE = os.environ.get("FIA_PREFILL_OWN", "")
-ENABLED = {"0": False, "1": True}.get(_MODE, HAS_DP)
+AMX_BF16 = target_has("amx-tile", "amx-bf16")
+ENABLED_DEFAULT = HAS_DP and not AMX_BF16
+ENABLED = {"0": False, "1": True}.get(_MODE, ENABLED_DEFAULT)
 ENABLED_F16 = {"0": False, "1": True}.get(_MODE, F16C and target_has("avx512f"))
 ENABLED_F32 = {"0": False, "1": True}.get(_MODE, target_has("avx512f"))
 _ON = {torch.bfloat16: lambda: ENABLED, torch.float16: lambda: ENABLED_F16, torch.float32: lambda: ENABLED_F32}
