@@ -318,10 +318,7 @@ def pv_amx(typingctx, paddr, p_rs, vaddr, offaddr, n, aaddr, a_rs, R, Dv, xaddr,
                                 p = _ptr(b, b.add(arow, _c(h)))
                                 _store(b, b.fadd(_load(b, p, V16F, 4), _shuffle(b, ev, od, mask)), p, 4)
 
-                for k in range(4, 0, -1):
-                    with b.if_then(b.icmp_unsigned("==", b.select(b.icmp_unsigned("<", m, _c(4)), m, _c(4)),
-                                                   _c(k))):
-                        group(k)
+                _switch(b, b.select(b.icmp_unsigned("<", m, _c(4)), m, _c(4)), (1, 2, 3), group, 4)
         _tile(b, "tilerelease")
 
     def codegen(context, builder, signature, args):

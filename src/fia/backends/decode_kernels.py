@@ -611,43 +611,29 @@ def softmax_chunk(s, R, n, m, ll, vx, acc, Dv, p2, mode, wsc):
         cm = max_f32(s.ctypes.data + r * s.strides[0], n, np.float32(-np.inf), 0)   # NaN scores: see max_f32
         mx = cm if cm > mo else mo
         alpha = fexp(mo - mx)
-        ls = np.float32(0.0)
-        # whole 16-score blocks in decode_simd.exp_rows (16 lanes), the tail here
-        srow = s.ctypes.data + r * s.strides[0]
-        prow = p2.ctypes.data + r * p2.strides[0]
-        if mode == 1:
-            ls = exp_rows(srow, n, mx, prow, 1, np.float32(0.0))
-            for c in range(n16, n_):
-                e = fexp(s[r, c] - mx)
-                s[r, c] = e
-                p2[r, c] = f32_to_bf16_bits(e)
-                ls += e
-        elif mode == 2:
+        # what the pass writes to p2 (pm) -- mode 2 without a usable row scale writes nothing (ok = False) --
+        # then the whole 16-score blocks in decode_simd.exp_rows (16 lanes), the tail here
+        pm = mode
+        inv = np.float32(0.0)
+        if mode == 2:
             wmax = fexp(cm - mx)
             if wmax >= np.float32(1e-30):
                 inv = np.float32(32767.0) / wmax
                 wsc[r] = wmax / np.float32(32767.0)
-                ls = exp_rows(srow, n, mx, prow, 2, inv)
-                for c in range(n16, n_):
-                    e = fexp(s[r, c] - mx)
-                    s[r, c] = e
-                    p2i[r, c] = np.int16(min(np.rint(e * inv), np.float32(32767.0)))
-                    ls += e
             else:
                 ok = False
-                ls = exp_rows(srow, n, mx, prow, 0, np.float32(0.0))
-                for c in range(n16, n_):
-                    e = fexp(s[r, c] - mx)
-                    s[r, c] = e
-                    ls += e
-            if not (ls < np.float32(np.inf)):                   # NaN or infinite: not quantized
-                ok = False
-        else:
-            ls = exp_rows(srow, n, mx, prow, 0, np.float32(0.0))
-            for c in range(n16, n_):
-                e = fexp(s[r, c] - mx)
-                s[r, c] = e
-                ls += e
+                pm = 0
+        ls = exp_rows(s.ctypes.data + r * s.strides[0], n, mx, p2.ctypes.data + r * p2.strides[0], pm, inv)
+        for c in range(n16, n_):
+            e = fexp(s[r, c] - mx)
+            s[r, c] = e
+            if pm == 1:
+                p2[r, c] = f32_to_bf16_bits(e)
+            elif pm == 2:
+                p2i[r, c] = np.int16(min(np.rint(e * inv), np.float32(32767.0)))
+            ls += e
+        if mode == 2 and not (ls < np.float32(np.inf)):          # NaN or infinite: not quantized
+            ok = False
         ll[r] = ll[r] * alpha + ls
         m[r] = mx
         if alpha != np.float32(1.0):

@@ -18,8 +18,8 @@ scheduling, causal items longest first.
 
 `eligible` says when the kernel applies: CPU tensors, bf16 / float16 / float32 q / k / v (mask / bias in the
 same dtype), head dims multiples of 64; bf16 where the CPU has AVX512-BF16 and no AMX-BF16 (ATen's kernel uses
-the tiles there, ~5x faster), float16 where it has AVX-512 and F16C, float32 where it has AVX-512 (FIA_PREFILL_OWN=1 forces all, emulated where the instructions are missing;
-=0 turns the kernel off).
+the tiles there, ~5x faster), float16 where it has AVX-512 and F16C, float32 where it has AVX-512
+(FIA_PREFILL_OWN=1 forces all, emulated where the instructions are missing; =0 turns the kernel off).
 """
 from __future__ import annotations
 
