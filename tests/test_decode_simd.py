@@ -121,9 +121,10 @@ KINDS = {"bf16": (FM.KIND_BF16, torch.bfloat16), "fp16": (FM.KIND_FP16, torch.fl
          "int8": (FM.KIND_I8, torch.int8)}
 
 
-def _fma_kernels(f16c: bool):
-    """Fresh wrappers compiled with fp16 widened by F16C or by integer arithmetic."""
-    with compiling_with(FM, "F16C", f16c):
+def _fma_kernels(f16c: bool, narrow: bool):
+    """Fresh wrappers compiled with fp16 widened by F16C or by integer arithmetic, on 8-lane (narrow) or
+    16-lane vectors."""
+    with compiling_with(FM, "F16C", f16c), compiling_with(FM, "NARROW", narrow):
         @njit
         def qk(q, kbuf, kind, offs, n, s, R, D, xbuf, xoffs, xn, xrow, xes):
             FM.qk_fma(q.ctypes.data, q.shape[1] * 4, kbuf.ctypes.data, kind, offs.ctypes.data, n, s.ctypes.data,
@@ -144,9 +145,10 @@ def _fma_kernels(f16c: bool):
 F16C_MODES = [False] + ([True] if FM.F16C else [])
 
 
-@pytest.fixture(scope="module", params=F16C_MODES, ids=lambda m: "f16c" if m else "f16-bits")
+@pytest.fixture(scope="module", params=[(f, w) for f in F16C_MODES for w in (False, True)],
+                ids=lambda m: ("f16c" if m[0] else "f16-bits") + ("-narrow" if m[1] else "-wide"))
 def fma_kernels(request):
-    return _fma_kernels(request.param)
+    return _fma_kernels(*request.param)
 
 
 def _pool(kind, rows, d, g):

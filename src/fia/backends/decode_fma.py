@@ -23,45 +23,49 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .decode_simd import (F32, I16, I32, I64, KIND_BF16, KIND_FP16, KIND_I8, V16F, ZERO16, QKOp, _c, _declare,
-                          _first_only, _gep, _shared, _load, _other_stream, _outlined, _prefetch_ahead,
-                          _prefetch_rows, _ptr, _pv_row_blocks, _qk_kernel, _splat, _store, _switch, _var,
-                          target_has)
-
-_V16H = ir.VectorType(ir.HalfType(), 16)
-_V16S = ir.VectorType(I16, 16)
-_V16B = ir.VectorType(ir.IntType(8), 16)
-_V16I = ir.VectorType(I32, 16)
-
+                          _first_only, _gep, _hsum_tree, _load, _other_stream, _outlined, _prefetch_ahead,
+                          _prefetch_rows, _ptr, _pv_row_blocks, _qk_blocks, _qk_kernel, _row_blocks, _shared,
+                          _splat, _store, _sums_of, _switch, _var, target_has)
 
 F16C = platform.machine().lower() in ("aarch64", "arm64") or target_has("f16c")
+# CPUs without AVX-512 have 16 vector registers of 8 floats: there LLVM splits each <16 x float> of the
+# blocks below in two, and their 16-32 accumulators spill (AMD Zen 3, AVX2, in L2, ns per key, 4 rows:
+# QK 24-34, PV 45). NARROW kernels work on 8 lanes with at most 8 accumulators (_qk_narrow, _pv_narrow).
+NARROW = not target_has("avx512f")
 
 
-def _i32s(v):
-    return ir.Constant(_V16I, [v] * 16)
+def _vec(ty, lanes):
+    return ir.VectorType(ty, lanes)
 
 
 def _half_bits_to_f32(b, h):
-    """IEEE half bits <16 x i16> -> <16 x float> by integer arithmetic (targets without F16C, where LLVM
+    """IEEE half bits <n x i16> -> <n x float> by integer arithmetic (targets without F16C, where LLVM
     would call a runtime helper numba does not link); exact, as decode_kernels._fp16_bits_to_f32."""
-    x = b.zext(h, _V16I)
-    em = b.and_(x, _i32s(0x7FFF))
-    sh = b.shl(em, _i32s(13))
-    f = b.fmul(b.bitcast(sh, V16F), ir.Constant(V16F, [5.192296858534828e33] * 16))   # x 2^112
-    special = b.icmp_unsigned(">=", em, _i32s(0x7C00))                                 # inf / nan
-    f = b.select(special, b.bitcast(b.or_(sh, _i32s(0x7F800000)), V16F), f)
-    sign = b.shl(b.and_(x, _i32s(0x8000)), _i32s(16))
-    return b.bitcast(b.or_(b.bitcast(f, _V16I), sign), V16F)
+    n = h.type.count
+    vi, vf = _vec(I32, n), _vec(F32, n)
+
+    def i32s(v):
+        return ir.Constant(vi, [v] * n)
+    x = b.zext(h, vi)
+    em = b.and_(x, i32s(0x7FFF))
+    sh = b.shl(em, i32s(13))
+    f = b.fmul(b.bitcast(sh, vf), ir.Constant(vf, [5.192296858534828e33] * n))   # x 2^112
+    special = b.icmp_unsigned(">=", em, i32s(0x7C00))                             # inf / nan
+    f = b.select(special, b.bitcast(b.or_(sh, i32s(0x7F800000)), vf), f)
+    sign = b.shl(b.and_(x, i32s(0x8000)), i32s(16))
+    return b.bitcast(b.or_(b.bitcast(f, vi), sign), vf)
 
 
-def _widen(b, p, kind: int):
-    """16 elements at byte pointer p as <16 x float>."""
+def _widen(b, p, kind: int, lanes: int = 16):
+    """`lanes` elements at byte pointer p as <lanes x float>."""
+    vf, vi, vs = _vec(F32, lanes), _vec(I32, lanes), _vec(I16, lanes)
     if kind == KIND_FP16:
-        h = _load(b, p, _V16S)
-        return b.fpext(b.bitcast(h, _V16H), V16F) if F16C else _half_bits_to_f32(b, h)
+        h = _load(b, p, vs)
+        return b.fpext(b.bitcast(h, _vec(ir.HalfType(), lanes)), vf) if F16C else _half_bits_to_f32(b, h)
     if kind == KIND_I8:
-        return b.sitofp(b.sext(_load(b, p, _V16B), _V16I), V16F)
-    x = b.zext(_load(b, p, _V16S), _V16I)                   # bf16: the high half of a float32
-    return b.bitcast(b.shl(x, ir.Constant(_V16I, [16] * 16)), V16F)
+        return b.sitofp(b.sext(_load(b, p, _vec(ir.IntType(8), lanes)), vi), vf)
+    x = b.zext(_load(b, p, vs), vi)                         # bf16: the high half of a float32
+    return b.bitcast(b.shl(x, ir.Constant(vi, [16] * lanes)), vf)
 
 
 def _esize(kind: int) -> int:
@@ -69,7 +73,8 @@ def _esize(kind: int) -> int:
 
 
 def _fma(b, x, y, acc):
-    return b.call(_declare(b, "llvm.fma.v16f32", ir.FunctionType(V16F, [V16F, V16F, V16F])), [x, y, acc])
+    t = x.type
+    return b.call(_declare(b, f"llvm.fma.v{t.count}f32", ir.FunctionType(t, [t, t, t])), [x, y, acc])
 
 
 # ---------------------------------------------------------------------------------------------- QK
@@ -93,7 +98,10 @@ def qk_fma(typingctx, qaddr, q_rs, kaddr, kind, offaddr, n, saddr, s_rs, R, D, x
         x = _other_stream(b, *args[10:])
 
         def emit(kind):                                      # D = 128 straight-line; others a loop
-            _qk_kernel(b, _qk_op(kind), qa, qrs, ka, offp, sa, srs, R_, n_, D_, x, 16, (8,))
+            if NARROW:
+                _qk_narrow(b, kind, qa, qrs, ka, offp, sa, srs, R_, n_, D_, x)
+            else:
+                _qk_kernel(b, _qk_op(kind), qa, qrs, ka, offp, sa, srs, R_, n_, D_, x, 16, (8,))
         _switch(b, kd, (KIND_FP16, KIND_I8), emit, KIND_BF16)
 
     def codegen(context, builder, signature, args):
@@ -101,32 +109,88 @@ def qk_fma(typingctx, qaddr, q_rs, kaddr, kind, offaddr, n, saddr, s_rs, R, D, x
     return sig, codegen
 
 
+def _qk_narrow(b, kind, qa, q_rs, ka, offp, sa, s_rs, R, n, D, x, NC=2):
+    """qk_fma's body on 8-lane vectors: blocks of up to 4 query rows x NC keys (<= 8 accumulators), D in
+    chunks of 8; each query chunk is loaded once for the block's keys (their rows are read side by side)."""
+    es = _esize(kind)
+    vf = _vec(F32, 8)
+    nd = b.udiv(D, _c(8))
+
+    def variant(ND):
+        def block(NR, NC, r0, q0, c, s0, xr, _):
+            accs = [[_var(b, ir.Constant(vf, [0.0] * 8)) for _ in range(NC)] for _ in range(NR)]
+            kps = [_gep(b, _ptr(b, ka), b.mul(b.load(_gep(b, offp, b.add(c, _c(j)))), _c(es))) for j in range(NC)]
+            qrows = [_ptr(b, b.add(q0, b.mul(q_rs, _c(r)))) for r in range(NR)]
+
+            def chunk(k):
+                ks = [_widen(b, _gep(b, kp, b.mul(k, _c(8 * es))), kind, 8) for kp in kps]
+                for r in range(NR):
+                    qv = _load(b, _gep(b, qrows[r], b.mul(k, _c(32))), vf, 4)
+                    for j in range(NC):
+                        b.store(_fma(b, qv, ks[j], b.load(accs[r][j])), accs[r][j])
+            if ND is None:
+                with cgutils.for_range(b, nd) as loop:
+                    chunk(loop.index)
+            else:
+                for k in range(ND):
+                    chunk(_c(k))
+            _prefetch_rows(b, xr, c, NC)
+            _prefetch_ahead(b, xr, ka, offp, n, b.mul(nd, _c(8 * es)), _c(es), c, NC)
+            sums = _sums_of(b, *_hsum_tree(b, [b.load(accs[r][j]) for r in range(NR) for j in range(NC)], 8))
+            for r in range(NR):
+                row = _ptr(b, b.add(s0, b.mul(_c(4), b.mul(s_rs, _c(r)))), F32)
+                for j in range(NC):
+                    b.store(sums[r * NC + j], _gep(b, row, b.add(c, _c(j))), align=4)
+        _qk_blocks(b, qa, q_rs, sa, s_rs, R, n, x, block, NC, None)
+    _switch(b, nd, (16,), variant, None)
+
+
 # ---------------------------------------------------------------------------------------------- PV
-def _pv_pass(b, kind, NR, DG, p0, p_rs, vaddr, offp, n, a0, a_rs, g, x, vrow):
-    """acc rows a0 + r (a_rs floats apart), channels [16 DG g, 16 DG (g + 1)) += P rows (float32, p_rs
+def _pv_pass(b, kind, NR, DG, p0, p_rs, vaddr, offp, n, a0, a_rs, g, x, vrow, lanes=16):
+    """acc rows a0 + r (a_rs floats apart), channels [lanes DG g, lanes DG (g + 1)) += P rows (float32, p_rs
     bytes apart) . V (rows of vrow bytes), one pass over the n keys with NR x DG accumulators in registers."""
     es = _esize(kind)
+    vf = _vec(F32, lanes)
     vbase = _ptr(b, vaddr)
     accs = []
     for r in range(NR):
-        arow = _gep(b, _ptr(b, a0), b.add(b.mul(a_rs, _c(4 * r)), b.mul(g, _c(64 * DG))))
-        accs.append([_var(b, _load(b, _gep(b, arow, _c(64 * ch)), V16F, 4)) for ch in range(DG)])
+        arow = _gep(b, _ptr(b, a0), b.add(b.mul(a_rs, _c(4 * r)), b.mul(g, _c(4 * lanes * DG))))
+        accs.append([_var(b, _load(b, _gep(b, arow, _c(4 * lanes * ch)), vf, 4)) for ch in range(DG)])
     with cgutils.for_range(b, n) as loop:
         c = loop.index
-        vp = _gep(b, vbase, b.add(b.mul(b.load(_gep(b, offp, c)), _c(es)), b.mul(g, _c(16 * DG * es))))
-        vs = [_widen(b, _gep(b, vp, _c(16 * es * ch)), kind) for ch in range(DG)]   # row c front to back
+        vp = _gep(b, vbase, b.add(b.mul(b.load(_gep(b, offp, c)), _c(es)), b.mul(g, _c(lanes * DG * es))))
+        vs = [_widen(b, _gep(b, vp, _c(lanes * es * ch)), kind, lanes) for ch in range(DG)]   # row c in order
         _prefetch_rows(b, x, c, 1)
         _prefetch_ahead(b, x, vaddr, offp, n, vrow, _c(es), c, 1)
         for r in range(NR):
             pw = b.load(b.bitcast(_gep(b, _ptr(b, p0), b.add(b.mul(p_rs, _c(r)), b.mul(c, _c(4)))),
                                   F32.as_pointer()), align=4)
-            wv = _splat(b, pw, 16)
+            wv = _splat(b, pw, lanes)
             for ch in range(DG):
                 b.store(_fma(b, wv, vs[ch], b.load(accs[r][ch])), accs[r][ch])
     for r in range(NR):
-        arow = _gep(b, _ptr(b, a0), b.add(b.mul(a_rs, _c(4 * r)), b.mul(g, _c(64 * DG))))
+        arow = _gep(b, _ptr(b, a0), b.add(b.mul(a_rs, _c(4 * r)), b.mul(g, _c(4 * lanes * DG))))
         for ch in range(DG):
-            _store(b, b.load(accs[r][ch]), _gep(b, arow, _c(64 * ch)), 4)
+            _store(b, b.load(accs[r][ch]), _gep(b, arow, _c(4 * lanes * ch)), 4)
+
+
+PV_NARROW = (4, 2)      # rows x 8-channel chunks per pass of _pv_narrow
+
+
+def _pv_narrow(b, kind, pa, p_rs, va, offp, n, aa, a_rs, R, Dv, x):
+    """pv_fma's body on 8-lane vectors: blocks of up to PV_NARROW[0] rows x PV_NARROW[1] chunks of 8
+    channels per pass over the keys (<= 8 accumulators)."""
+    NRM, DG = PV_NARROW
+
+    def rows_of(NR, r0):
+        with cgutils.for_range(b, b.udiv(Dv, _c(8 * DG))) as g:
+            _pv_pass(b, kind, NR, DG, b.add(pa, b.mul(r0, p_rs)), p_rs, va, offp, n,
+                     b.add(aa, b.mul(_c(4), b.mul(r0, a_rs))), a_rs, g.index,
+                     _first_only(b, _shared(b, x, r0, R, NRM), g.index), b.mul(Dv, _c(_esize(kind))), 8)
+    if NRM == 4:
+        _row_blocks(b, R, rows_of)
+    else:
+        _pv_row_blocks(b, R, Dv, (1,), lambda NR, _, r0: rows_of(NR, r0))
 
 
 @intrinsic
@@ -147,6 +211,9 @@ def pv_fma(typingctx, paddr, p_rs, vaddr, kind, offaddr, n, aaddr, a_rs, R, Dv, 
                     _pv_pass(b, kind, NR, DG, b.add(pa, b.mul(r0, prs)), prs, va, offp, n_,
                              b.add(aa, b.mul(_c(4), b.mul(r0, ars))), ars, g.index,
                              _first_only(b, _shared(b, x, r0, R_, 2), g.index), b.mul(Dv_, _c(_esize(kind))))
+            if NARROW:
+                _pv_narrow(b, kind, pa, prs, va, offp, n_, aa, ars, R_, Dv_, x)
+                return
             # 2 rows x 8 chunks (128 channels: a whole row of D = 128 per pass), or x 4, or x 1
             _pv_row_blocks(b, R_, Dv_, ((128, 8), (64, 4), 1), rows_of)
         _switch(b, kd, (KIND_FP16, KIND_I8), emit, KIND_BF16)

@@ -234,12 +234,12 @@ def _splat(b, x, lanes):
 
 
 # ---------------------------------------------------------------------------------------------- reductions
-def _hsum_tree(b, vecs):
-    """Sums of the 16 lanes of each vector of `vecs` (a power-of-two count <= 16): (z, out), sum i being
-    lanes out[i] = (first lane, width) of the vector z (width 1 when there are 16 vectors). Pairwise tree:
+def _hsum_tree(b, vecs, lanes=16):
+    """Sums of the `lanes` lanes of each vector of `vecs` (a power-of-two count <= lanes): (z, out), sum i being
+    lanes out[i] = (first lane, width) of the vector z (width 1 when there are `lanes` vectors). Pairwise tree:
     each step adds the lower and upper halves of every slot of two vectors into one vector with twice the
     slots (2 shuffles + 1 add per pair)."""
-    items = [(v, [(i, 16)]) for i, v in enumerate(vecs)]   # (vector, [(input index, slot width)...])
+    items = [(v, [(i, lanes)]) for i, v in enumerate(vecs)]   # (vector, [(input index, slot width)...])
     while len(items) > 1 or items[0][1][0][1] > 1:
         if len(items) == 1:                                  # one vector left: fold it onto itself
             items.append(items[0])
@@ -254,8 +254,8 @@ def _hsum_tree(b, vecs):
             lo, hi, slots = [], [], []
             for si in range(len(sx)):
                 base = si * w
-                lo += list(range(base, base + h)) + list(range(16 + base, 16 + base + h))
-                hi += list(range(base + h, base + w)) + list(range(16 + base + h, 16 + base + w))
+                lo += list(range(base, base + h)) + list(range(lanes + base, lanes + base + h))
+                hi += list(range(base + h, base + w)) + list(range(lanes + base + h, lanes + base + w))
                 slots += [(sx[si][0], h), (sy[si][0], h)]
             z = b.fadd(_shuffle(b, x, y, lo), _shuffle(b, x, y, hi))
             nxt.append((z, slots))
