@@ -24,7 +24,7 @@ from numba.extending import intrinsic
 
 from .decode_simd import (F32, I16, I32, I64, KIND_BF16, KIND_FP16, KIND_I8, V16F, ZERO16, QKOp, _c, _declare,
                           _first_only, _gep, _hsum_tree, _load, _other_stream, _outlined, _prefetch_ahead,
-                          _prefetch_rows, _ptr, _pv_row_blocks, _qk_blocks, _qk_kernel, _row_blocks, _shared,
+                          _prefetch_rows, _ptr, _pv_row_blocks, _qk_kernel, _row_blocks, _shared,
                           _splat, _store, _sums_of, _switch, _var, target_has)
 
 F16C = platform.machine().lower() in ("aarch64", "arm64") or target_has("f16c")
@@ -109,15 +109,16 @@ def qk_fma(typingctx, qaddr, q_rs, kaddr, kind, offaddr, n, saddr, s_rs, R, D, x
     return sig, codegen
 
 
-def _qk_narrow(b, kind, qa, q_rs, ka, offp, sa, s_rs, R, n, D, x, NC=2):
-    """qk_fma's body on 8-lane vectors: blocks of up to 4 query rows x NC keys (<= 8 accumulators), D in
-    chunks of 8; each query chunk is loaded once for the block's keys (their rows are read side by side)."""
+def _qk_narrow(b, kind, qa, q_rs, ka, offp, sa, s_rs, R, n, D, x):
+    """qk_fma's body on 8-lane vectors: blocks of NR query rows (4, 2, 1) x 8 / NR keys (8 accumulators: two
+    FMA pipes of 4-cycle latency need 8 independent chains), D in chunks of 8; each query chunk is loaded
+    once for the block's keys (their rows are read side by side)."""
     es = _esize(kind)
     vf = _vec(F32, 8)
     nd = b.udiv(D, _c(8))
 
     def variant(ND):
-        def block(NR, NC, r0, q0, c, s0, xr, _):
+        def block(NR, NC, r0, q0, c, s0, xr):
             accs = [[_var(b, ir.Constant(vf, [0.0] * 8)) for _ in range(NC)] for _ in range(NR)]
             kps = [_gep(b, _ptr(b, ka), b.mul(b.load(_gep(b, offp, b.add(c, _c(j)))), _c(es))) for j in range(NC)]
             qrows = [_ptr(b, b.add(q0, b.mul(q_rs, _c(r)))) for r in range(NR)]
@@ -141,7 +142,18 @@ def _qk_narrow(b, kind, qa, q_rs, ka, offp, sa, s_rs, R, n, D, x, NC=2):
                 row = _ptr(b, b.add(s0, b.mul(_c(4), b.mul(s_rs, _c(r)))), F32)
                 for j in range(NC):
                     b.store(sums[r * NC + j], _gep(b, row, b.add(c, _c(j))), align=4)
-        _qk_blocks(b, qa, q_rs, sa, s_rs, R, n, x, block, NC, None)
+
+        def rows_of(NR, r0):
+            NC = 8 // NR
+            q0 = b.add(qa, b.mul(r0, q_rs))
+            s0 = b.add(sa, b.mul(_c(4), b.mul(r0, s_rs)))
+            xr = _shared(b, x, r0, R, 4)
+            nb = b.udiv(n, _c(NC))
+            with cgutils.for_range(b, nb) as loop:
+                block(NR, NC, r0, q0, b.mul(loop.index, _c(NC)), s0, xr)
+            with cgutils.for_range(b, b.urem(n, _c(NC))) as loop:
+                block(NR, 1, r0, q0, b.add(b.mul(nb, _c(NC)), loop.index), s0, xr)
+        _row_blocks(b, R, rows_of)
     _switch(b, nd, (16,), variant, None)
 
 
@@ -174,23 +186,27 @@ def _pv_pass(b, kind, NR, DG, p0, p_rs, vaddr, offp, n, a0, a_rs, g, x, vrow, la
             _store(b, b.load(accs[r][ch]), _gep(b, arow, _c(4 * lanes * ch)), 4)
 
 
-PV_NARROW = (4, 2)      # rows x 8-channel chunks per pass of _pv_narrow
-
-
 def _pv_narrow(b, kind, pa, p_rs, va, offp, n, aa, a_rs, R, Dv, x):
-    """pv_fma's body on 8-lane vectors: blocks of up to PV_NARROW[0] rows x PV_NARROW[1] chunks of 8
-    channels per pass over the keys (<= 8 accumulators)."""
-    NRM, DG = PV_NARROW
-
+    """pv_fma's body on 8-lane vectors: blocks of NR query rows (4, 2, 1) x 8 / NR chunks of 8 channels per
+    pass over the keys (8 accumulators, see _qk_narrow), fewer chunks where Dv is not a multiple."""
     def rows_of(NR, r0):
-        with cgutils.for_range(b, b.udiv(Dv, _c(8 * DG))) as g:
-            _pv_pass(b, kind, NR, DG, b.add(pa, b.mul(r0, p_rs)), p_rs, va, offp, n,
-                     b.add(aa, b.mul(_c(4), b.mul(r0, a_rs))), a_rs, g.index,
-                     _first_only(b, _shared(b, x, r0, R, NRM), g.index), b.mul(Dv, _c(_esize(kind))), 8)
-    if NRM == 4:
-        _row_blocks(b, R, rows_of)
-    else:
-        _pv_row_blocks(b, R, Dv, (1,), lambda NR, _, r0: rows_of(NR, r0))
+        def passes(DG):
+            with cgutils.for_range(b, b.udiv(Dv, _c(8 * DG))) as g:
+                _pv_pass(b, kind, NR, DG, b.add(pa, b.mul(r0, p_rs)), p_rs, va, offp, n,
+                         b.add(aa, b.mul(_c(4), b.mul(r0, a_rs))), a_rs, g.index,
+                         _first_only(b, _shared(b, x, r0, R, 4), g.index), b.mul(Dv, _c(_esize(kind))), 8)
+
+        def widest(DG):                                      # Dv % 16 == 0: DG = 2 always fits
+            if DG <= 2:
+                passes(DG)
+                return
+            with b.if_else(b.icmp_unsigned("==", b.urem(Dv, _c(8 * DG)), _c(0))) as (then, otherwise):
+                with then:
+                    passes(DG)
+                with otherwise:
+                    widest(DG // 2)
+        widest(8 // NR)
+    _row_blocks(b, R, rows_of)
 
 
 @intrinsic
