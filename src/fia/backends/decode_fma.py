@@ -24,7 +24,7 @@ from numba.extending import intrinsic
 
 from .decode_simd import (F32, I16, I32, I64, KIND_BF16, KIND_FP16, KIND_I8, V16F, ZERO16, QKOp, _c, _declare,
                           _first_only, _gep, _hsum_tree, _load, _other_stream, _outlined, _prefetch_ahead,
-                          _prefetch_rows, _ptr, _pv_row_blocks, _qk_kernel, _row_blocks, _shared,
+                          _prefetch_rows, _ptr, _pv_row_blocks, _qk_blocks, _qk_kernel, _row_blocks, _shared,
                           _splat, _store, _sums_of, _switch, _var, target_has)
 
 F16C = platform.machine().lower() in ("aarch64", "arm64") or target_has("f16c")
@@ -118,7 +118,7 @@ def _qk_narrow(b, kind, qa, q_rs, ka, offp, sa, s_rs, R, n, D, x):
     nd = b.udiv(D, _c(8))
 
     def variant(ND):
-        def block(NR, NC, r0, q0, c, s0, xr):
+        def block(NR, NC, r0, q0, c, s0, xr, _qregs):
             accs = [[_var(b, ir.Constant(vf, [0.0] * 8)) for _ in range(NC)] for _ in range(NR)]
             kps = [_gep(b, _ptr(b, ka), b.mul(b.load(_gep(b, offp, b.add(c, _c(j)))), _c(es))) for j in range(NC)]
             qrows = [_ptr(b, b.add(q0, b.mul(q_rs, _c(r)))) for r in range(NR)]
@@ -143,17 +143,7 @@ def _qk_narrow(b, kind, qa, q_rs, ka, offp, sa, s_rs, R, n, D, x):
                 for j in range(NC):
                     b.store(sums[r * NC + j], _gep(b, row, b.add(c, _c(j))), align=4)
 
-        def rows_of(NR, r0):
-            NC = 8 // NR
-            q0 = b.add(qa, b.mul(r0, q_rs))
-            s0 = b.add(sa, b.mul(_c(4), b.mul(r0, s_rs)))
-            xr = _shared(b, x, r0, R, 4)
-            nb = b.udiv(n, _c(NC))
-            with cgutils.for_range(b, nb) as loop:
-                block(NR, NC, r0, q0, b.mul(loop.index, _c(NC)), s0, xr)
-            with cgutils.for_range(b, b.urem(n, _c(NC))) as loop:
-                block(NR, 1, r0, q0, b.add(b.mul(nb, _c(NC)), loop.index), s0, xr)
-        _row_blocks(b, R, rows_of)
+        _qk_blocks(b, qa, q_rs, sa, s_rs, R, n, x, block, lambda NR: 8 // NR, None)
     _switch(b, nd, (16,), variant, None)
 
 
@@ -186,15 +176,21 @@ def _pv_pass(b, kind, NR, DG, p0, p_rs, vaddr, offp, n, a0, a_rs, g, x, vrow, la
             _store(b, b.load(accs[r][ch]), _gep(b, arow, _c(4 * lanes * ch)), 4)
 
 
+def _pv_passes(b, kind, NR, DG, r0, pa, p_rs, va, offp, n, aa, a_rs, R, Dv, x, lanes, block_rows):
+    """Rows r0 .. r0 + NR - 1 (one of the row blocks of block_rows rows): Dv / (lanes DG) _pv_pass passes,
+    the first of which prefetches the row block's share of the other stream."""
+    with cgutils.for_range(b, b.udiv(Dv, _c(lanes * DG))) as g:
+        _pv_pass(b, kind, NR, DG, b.add(pa, b.mul(r0, p_rs)), p_rs, va, offp, n,
+                 b.add(aa, b.mul(_c(4), b.mul(r0, a_rs))), a_rs, g.index,
+                 _first_only(b, _shared(b, x, r0, R, block_rows), g.index), b.mul(Dv, _c(_esize(kind))), lanes)
+
+
 def _pv_narrow(b, kind, pa, p_rs, va, offp, n, aa, a_rs, R, Dv, x):
     """pv_fma's body on 8-lane vectors: blocks of NR query rows (4, 2, 1) x 8 / NR chunks of 8 channels per
     pass over the keys (8 accumulators, see _qk_narrow), fewer chunks where Dv is not a multiple."""
     def rows_of(NR, r0):
         def passes(DG):
-            with cgutils.for_range(b, b.udiv(Dv, _c(8 * DG))) as g:
-                _pv_pass(b, kind, NR, DG, b.add(pa, b.mul(r0, p_rs)), p_rs, va, offp, n,
-                         b.add(aa, b.mul(_c(4), b.mul(r0, a_rs))), a_rs, g.index,
-                         _first_only(b, _shared(b, x, r0, R, 4), g.index), b.mul(Dv, _c(_esize(kind))), 8)
+            _pv_passes(b, kind, NR, DG, r0, pa, p_rs, va, offp, n, aa, a_rs, R, Dv, x, 8, 4)
 
         def widest(DG):                                      # Dv % 16 == 0: DG = 2 always fits
             if DG <= 2:
@@ -222,16 +218,12 @@ def pv_fma(typingctx, paddr, p_rs, vaddr, kind, offaddr, n, aaddr, a_rs, R, Dv, 
         x = _other_stream(b, *args[10:])
 
         def emit(kind):
-            def rows_of(NR, DG, r0):
-                with cgutils.for_range(b, b.udiv(Dv_, _c(16 * DG))) as g:
-                    _pv_pass(b, kind, NR, DG, b.add(pa, b.mul(r0, prs)), prs, va, offp, n_,
-                             b.add(aa, b.mul(_c(4), b.mul(r0, ars))), ars, g.index,
-                             _first_only(b, _shared(b, x, r0, R_, 2), g.index), b.mul(Dv_, _c(_esize(kind))))
             if NARROW:
                 _pv_narrow(b, kind, pa, prs, va, offp, n_, aa, ars, R_, Dv_, x)
                 return
             # 2 rows x 8 chunks (128 channels: a whole row of D = 128 per pass), or x 4, or x 1
-            _pv_row_blocks(b, R_, Dv_, ((128, 8), (64, 4), 1), rows_of)
+            _pv_row_blocks(b, R_, Dv_, ((128, 8), (64, 4), 1), lambda NR, DG, r0: _pv_passes(
+                b, kind, NR, DG, r0, pa, prs, va, offp, n_, aa, ars, R_, Dv_, x, 16, 2))
         _switch(b, kd, (KIND_FP16, KIND_I8), emit, KIND_BF16)
 
     def codegen(context, builder, signature, args):

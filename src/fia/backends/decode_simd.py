@@ -349,10 +349,14 @@ def _qk_block(b, op, NR, NC, r0, q0, q_rs, kaddr, offp, c, s0, s_rs, nd, ND, x, 
 
 def _qk_blocks(b, qa, q_rs, sa, s_rs, R, n, x, block, NC, preload):
     """The QK schedule shared by qk_dp, decode_fma.qk_fma and decode_vnni.qk_i8: query rows in blocks of 4, 2,
-    1 (_row_blocks), keys in blocks of NC then 1; block(NR, NC, r0, q0, c, s0, x, qregs) emits one block (r0:
-    its first query row, q0: that row's address, c: its first key, s0: its first score row address, x: the
-    other stream for its keys, qregs: preload(NR, q0) once per row block, or None)."""
+    1 (_row_blocks), keys in blocks of NC (or NC(NR) when NC is callable) then 1; block(NR, NC, r0, q0, c, s0,
+    x, qregs) emits one block (r0: its first query row, q0: that row's address, c: its first key, s0: its
+    first score row address, x: the other stream for its keys, qregs: preload(NR, q0) once per row block, or
+    None)."""
+    nc_of = NC if callable(NC) else (lambda NR: NC)
+
     def rows_of(NR, r0):
+        NC = nc_of(NR)
         q0 = b.add(qa, b.mul(r0, q_rs))
         s0 = b.add(sa, b.mul(_c(4), b.mul(r0, s_rs)))
         xr = _shared(b, x, r0, R, 4)
