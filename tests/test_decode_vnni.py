@@ -1,12 +1,13 @@
 """The int8 K / V micro-kernels of the decode backend (decode_vnni.qk_i8 / pv_i8) and their helpers
 (decode_simd.max_f32, decode_kernels.quant_i16) against float64 / numpy.
 
-Both the native AVX512-VNNI code (where the CPU has it) and the int32 emulation every other CPU compiles are
-checked, on row counts that exercise every row block (4, 2, 1 for QK; 2, 1 for PV), key counts that exercise
+Both widths (16 lanes for AVX-512; 8 lanes, decode_fma.NARROW, for CPUs without it) are checked on every CPU,
+each with the native instruction (AVX512-VNNI vpdpwssd / AVX2 vpmaddwd, where the CPU has it) and the int32
+emulation, on row counts that exercise every row block (4, 2, 1 for QK; 2, 1 for wide PV, 4, 2, 1 narrow), key counts that exercise
 every key block (4 / 1 for QK, pairs / odd tail and the 512-key int32 blocks for PV), the unrolled head dims
 and the generic loop. The integer products are exact and the int32 lane sums are converted to float32 before
 they are summed, so the tolerance is a few float32 roundings of the summed magnitudes (1e-6 of them); extreme
-operands (|q| = 32767, k = -128 / 127, D = 8192; 32767-weights of -128-values over more than 1024 keys) must not
+operands (|q| = 32767, k = -128 / 127, D = 8192, narrow 4096; 32767-weights of -128-values over more than 1024 keys) must not
 overflow the int32 lanes. Scores and accumulators outside the written range (past n / Dv, past R) are
 NaN-poisoned and must stay NaN, query rows carry poisoned padding past D, the spare weight past the last key
 of an odd count is poisoned (must be ignored), keys are read through a shuffled offset table (paged-like),
@@ -32,9 +33,11 @@ from fia.backends import decode_vnni as V  # noqa: E402
 U = 2.0 ** -24                  # float32 unit roundoff
 
 
-def _kernels(native: bool):
-    """Fresh numba wrappers compiled with the native instruction (vpdpwssd) or the int32 emulation."""
-    with compiling_with(V, "_HOST_VNNI", native):
+def _kernels(native: bool, narrow: bool):
+    """Fresh numba wrappers compiled with the native instruction (vpdpwssd; narrow: AVX2 vpmaddwd) or the
+    int32 emulation, in the 16-lane (AVX-512) or the 8-lane (narrow) form."""
+    flag = "_HOST_AVX2" if narrow else "_HOST_VNNI"
+    with compiling_with(V, flag, native), compiling_with(V, "NARROW", narrow):
         @njit
         def qk(q, kbuf, offs, n, s, R, D, qs, xbuf, xoffs, xn, xrow, xes):
             V.qk_i8(q.ctypes.data, q.shape[1] * 2, kbuf.ctypes.data, offs.ctypes.data, n, s.ctypes.data,
@@ -54,12 +57,20 @@ def _kernels(native: bool):
     return frozen(qk, pv)
 
 
-MODES = [False] + ([True] if V._HOST_VNNI else [])
+# (native, narrow): both widths on every CPU, the native instruction where the CPU has it
+MODES = ([(False, False)] + ([(True, False)] if V._HOST_VNNI else [])
+         + [(False, True)] + ([(True, True)] if V._HOST_AVX2 else []))
 
 
-@pytest.fixture(scope="module", params=MODES, ids=lambda m: "native" if m else "emulated")
-def kernels(request):
-    return _kernels(request.param)
+@pytest.fixture(scope="module", params=MODES,
+                ids=lambda m: ("native" if m[0] else "emulated") + ("-narrow" if m[1] else "-wide"))
+def mode(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def kernels(mode):
+    return _kernels(*mode)
 
 
 def _ints(shape, lo, hi, g, dtype):
@@ -133,9 +144,13 @@ def test_qk_i8_extremes(kernels, R, n, D):
 
 @pytest.mark.parametrize("D", [128, 4096, 8192])
 @pytest.mark.parametrize("qv", [32767, -32767])
-def test_qk_i8_lane_limit(kernels, D, qv):
-    """Every product the largest of one sign: each int32 lane reaches D / 16 * 32767 * 128 (just below 2^31
-    at D = 8192, the documented limit). The lane sums and their float32 total are exact here."""
+def test_qk_i8_lane_limit(kernels, mode, D, qv):
+    """Every product the largest of one sign: each int32 lane reaches D / 16 * 32767 * 128 (8 lanes: D / 8 *
+    ...; just below 2^31 at the documented limit, D = 8192, narrow 4096). The lane sums and their float32 total
+    are exact here."""
+    limit = V.QK_MAX_D_NARROW if mode[1] else V.QK_MAX_D_WIDE
+    if D > limit:
+        pytest.skip(f"D = {D} is past this width's limit {limit} (kernel_flags sends it to the float32 kernels)")
     qk, _ = kernels
     R, n = 5, 6
     q = torch.full((R, D), qv, dtype=torch.int16)
@@ -146,8 +161,9 @@ def test_qk_i8_lane_limit(kernels, D, qv):
     qs = torch.tensor([1.0, 1.0, 0.5, 2.0, 0.25])
     s, ref, _ = _run_qk(qk, q, qs, pool, rows)
     np.testing.assert_array_equal(s, ref.astype(np.float32))
-    if D == 8192:
-        assert abs(float(ref[0, 0])) == 16 * (2 ** 31 - 2 ** 16)      # lanes of 2^31 - 2^16: no wrap-around
+    if D == limit:
+        lanes = 8 if mode[1] else 16
+        assert abs(float(ref[0, 0])) == lanes * (2 ** 31 - 2 ** 16)   # lanes of 2^31 - 2^16: no wrap-around
 
 
 def test_qk_i8_prefetch_rows_change_nothing(kernels):

@@ -151,7 +151,7 @@ def test_explain_names_the_decode_kernels(monkeypatch):
         "kernels: QK float32 FMA, PV float32 FMA, software prefetch (nta; rows ahead: K, V)")
     k8, v8 = (torch.randint(-100, 100, (1, 2, 64, 128), generator=g, dtype=torch.int8) for _ in range(2))
     sc = randn((1, 2, 1, 128), g).to(torch.bfloat16)
-    i8 = "int16 x int8 dot products (AVX512-VNNI)" if K.HAS_VNNI else "float32 FMA"
+    i8 = f"int16 x int8 dot products ({K.I8_DOT})" if K.HAS_VNNI else "float32 FMA"
     assert _kernel_line(q, k8, v8, key_antiquant_scale=sc, value_antiquant_scale=sc, key_antiquant_mode=0,
                         value_antiquant_mode=0) == (
         f"kernels: QK {i8}, PV {i8}, software prefetch (nta; rows ahead: K)")

@@ -195,7 +195,7 @@ def _kernel_names(K, launch: "_Launch") -> str:
         if f & dp:
             return f"{step} bf16 dot products (AVX512-BF16)"
         if f & i8:
-            return f"{step} int16 x int8 dot products (AVX512-VNNI)"
+            return f"{step} int16 x int8 dot products ({K.I8_DOT})"
         if f & fma:
             return f"{step} float32 FMA"
         return f"{step} generic float32 loops"

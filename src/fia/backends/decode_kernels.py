@@ -44,14 +44,15 @@ from .decode_amx import HAS_AMX, PV_MAX_DV, QK_MAX_CHUNKS, QK_MAX_ROWS, pv_amx, 
 from .decode_fma import F16C, pv_fma, qk_fma
 from .decode_simd import (HAS_DP, KIND_BF16, KIND_F32, KIND_FP16, KIND_I4, KIND_I8, PF_AHEAD, PF_NTA, exp_rows,
                           max_f32, pv_dp, qk_dp, target_has)
-from .decode_vnni import HAS_VNNI, pv_i8, qk_i8
+from .decode_vnni import HAS_VNNI, I8_DOT, QK_MAX_D, pv_i8, qk_i8
 
 # ip[IP_DP] of a call (kernel choice): the bf16 dp kernels where the CPU has AVX512-BF16 (decode_simd.HAS_DP),
 # the other stream prefetched by the IR kernels (DP_NTA: with prefetchnta, not prefetcht1: session 8, two
 # threads, interleaved A/B: int8 +8-13 %, paged bf16 +7-9 %, bf16 dense 0-4 %; fp16 -2-4 % without DP_AHEAD
 # but +7-22 % with it). (bf16 / fp16 / int8 K and V that the dp kernels do not take
 # go through the float32 FMA kernels of decode_fma when the head dim is a multiple of 16.)
-# int8 K / V use the 16-bit integer dot-product kernels of decode_vnni where the CPU has AVX512-VNNI.
+# int8 K / V use the 16-bit integer dot-product kernels of decode_vnni where the CPU has AVX512-VNNI (or AVX2,
+# for the 8-lane kernels of CPUs without AVX-512).
 # DP_AHEAD: each kernel also requests its own rows AHEAD_BYTES ahead into L1 (at most 63 rows; session 8, two
 # threads, interleaved A/B against nta alone: bf16 dense +9-12 %, fp16 +7-25 %, int8 +9-13 %, paged +2-9 %;
 # the PV request for int8 V measured -4 % and is left out; 2 / 4 / 6 / 8 KB ahead: bf16 and int8 level,
@@ -732,7 +733,7 @@ def kernel_flags(ip):
     # float32 output is held to float32 accuracy, the float32 kernels keep it. (PV falls back to FMA for a
     # chunk whose probabilities cannot be quantized: NaN / Inf, see quant_i16.)
     i8 = (ip[IP_DP] & DP_I8) != 0 and ip[IP_Q_KIND] != KIND_F32
-    if i8 and k_kind == KIND_I8 and Dr == 0 and D % 32 == 0 and D <= 8192:
+    if i8 and k_kind == KIND_I8 and Dr == 0 and D % 32 == 0 and D <= QK_MAX_D:
         f |= KF_I8_QK
     if i8 and v_kind == KIND_I8 and Dv % 64 == 0:
         f |= KF_I8_PV

@@ -12,14 +12,18 @@ unit takes the dequantized K in fp16 / bf16 and P rounded to fp16 / bf16). The i
 are exact; the 16 lanes are converted to float32 before they are summed (docs/DECISIONS.md decision 24).
 
 * `qk_i8`: s[r, c] = qs[r] * sum_d q[r, d] * k_c[d] for int16 query rows q, scale qs (float32 per row),
-  int8 key rows. Lane sums stay below 2^31 for D <= 8192 (D / 16 products of |q k| <= 32767 * 128 each).
+  int8 key rows. Lane sums stay below 2^31 for D <= 8192 (D / 16 products of |q k| <= 32767 * 128 each;
+  8 lanes: D / 8 products, D <= 4096: QK_MAX_D).
 * `pv_i8`: acc[r, :] += ws[r] * sum_c w[r, c] * v_c[:] for int16 weights w (pairs of keys, as pv_dp),
   scale ws (float32 per row), int8 value rows. Keys are summed in blocks of 512 (each lane: at most 512
   products of |w v| <= 32767 * 128, below 2^31), each block added to the float32 accumulators.
 
-On a CPU without the instruction the same IR computes the products with int32 multiplies (exact), so the
-code always compiles; the backend selects these kernels where AVX512-VNNI exists (`HAS_VNNI`), or when
-forced for testing (FIA_DECODE_VNNI=1). Same numba-cache note as decode_simd.py.
+CPUs without AVX-512 (decode_fma.NARROW: 16 vector registers of 8 lanes) run 8-lane forms of both kernels
+(_qk_narrow_i8, _pv_narrow_i8) on AVX2 `vpmaddwd` (pairwise int16 products summed into int32 lanes) plus an
+add: the same integer arithmetic, 8 lanes per instruction. On a CPU without the instruction the same IR
+computes the products with int32 multiplies (exact), so the code always compiles; the backend selects these
+kernels where the instruction of the width exists (`HAS_VNNI`: AVX512-VNNI, or AVX2 for the narrow ones),
+or when forced for testing (FIA_DECODE_VNNI=1). Same numba-cache note as decode_simd.py.
 """
 from __future__ import annotations
 
@@ -28,16 +32,26 @@ import os
 import llvmlite.binding as llvm
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .decode_simd import (F32, I32, I64, V16F, V16I, V32H, PVOp, QKOp, _ACC_BACK, _c, _declare, _gep,
-                          _load, _other_stream, _outlined, _ptr, _pv_pairs_kernel, _qk_kernel, _shuffle, _splat,
-                          _store, QK_UNROLLED, target_has)
+from .decode_fma import NARROW, _fma
+from .decode_simd import (F32, I16, I32, I64, V16F, V16I, V32H, PVOp, QKOp, _ACC_BACK, _c, _declare, _first_only,
+                          _gep, _hsum_tree, _load, _other_stream, _outlined, _prefetch_ahead, _prefetch_rows, _ptr,
+                          _pv_pairs_kernel, _qk_blocks, _qk_kernel, _row_blocks, _shared, _shuffle, _splat, _store,
+                          _sums_of, _switch, _var, QK_UNROLLED, target_has)
 
 _HOST_VNNI = target_has("avx512vnni", "avx512bw", "avx512f")
+_HOST_AVX2 = target_has("avx2")
 # FIA_DECODE_VNNI: "0" never use these kernels, "1" always (emulated where the CPU lacks the instruction),
-# unset: where the CPU has it
-HAS_VNNI = {"0": False, "1": True}.get(os.environ.get("FIA_DECODE_VNNI", ""), _HOST_VNNI)
+# unset: where the CPU has the instruction of its width: AVX512-VNNI, or AVX2 `vpmaddwd` for the 8-lane
+# (NARROW) kernels of CPUs without AVX-512 (AMD Zen 3, session 11, two threads, int8 bench cases at 4096 keys:
+# 9.4-9.8 -> 5.9-6.0 ms against the float32 FMA kernels; in L2, 4 rows, ns per key: QK 20.4 -> 12.6, PV 15.5 -> 10.9)
+HAS_VNNI = {"0": False, "1": True}.get(os.environ.get("FIA_DECODE_VNNI", ""),
+                                       _HOST_AVX2 if NARROW else _HOST_VNNI)
+I8_DOT = "AVX2 vpmaddwd" if NARROW else "AVX512-VNNI"     # the instruction, for fia.explain
+QK_MAX_D_WIDE, QK_MAX_D_NARROW = 8192, 4096               # int32 lanes of D / 16 (D / 8) products stay < 2^31
+QK_MAX_D = QK_MAX_D_NARROW if NARROW else QK_MAX_D_WIDE
 
 _V32B = ir.VectorType(ir.IntType(8), 32)
 _ZERO_I = ir.Constant(V16I, [0] * 16)
@@ -59,6 +73,24 @@ def _dpw(b: ir.IRBuilder, acc, x, y):
     return b.add(b.add(acc, b.mul(*ev)), b.mul(*od))
 
 
+_V8I = ir.VectorType(I32, 8)
+_V8F = ir.VectorType(F32, 8)
+_V16H = ir.VectorType(I16, 16)
+_V16B = ir.VectorType(ir.IntType(8), 16)
+_V8B = ir.VectorType(ir.IntType(8), 8)
+
+
+def _pmadd8(b, acc, x, y):
+    """acc[l] += x[2l] * y[2l] + x[2l + 1] * y[2l + 1] for <16 x i16> x, y and <8 x i32> acc: the narrow
+    (8-lane) form of _dpw, AVX2 `vpmaddwd` + `vpaddd` (int32 products of the halves where AVX2 is absent)."""
+    if _HOST_AVX2:
+        fn = _declare(b, "llvm.x86.avx2.pmadd.wd", ir.FunctionType(_V8I, [_V16H, _V16H]))
+        return b.add(acc, b.call(fn, [x, y]))
+    ev = [b.sext(_shuffle(b, v, v, _EVEN[:8]), _V8I) for v in (x, y)]
+    od = [b.sext(_shuffle(b, v, v, _ODD[:8]), _V8I) for v in (x, y)]
+    return b.add(b.add(acc, b.mul(*ev)), b.mul(*od))
+
+
 def _widen_i8(b, p):
     """32 int8 at byte p as <32 x i16>."""
     return b.sext(_load(b, p, _V32B), V32H)
@@ -74,7 +106,7 @@ def _row_scale(b, addr, r):
 def qk_i8(typingctx, qaddr, q_rs, kaddr, offaddr, n, saddr, s_rs, R, D, qsaddr, xaddr, xoffaddr, xn, xrow, xes):
     """s[r, c] = qs[r] * q[r, :D] . K[c, :D], r < R, c < n. q: int16 at qaddr, rows q_rs bytes apart; qs:
     float32 per row at qsaddr; key c: int8 at element offs[c] of the buffer at kaddr; offs: int64 at offaddr;
-    s: float32 at saddr, rows s_rs elements apart. D % 32 == 0, D <= 8192. Prefetching as decode_simd.qk_dp."""
+    s: float32 at saddr, rows s_rs elements apart. D % 32 == 0, D <= QK_MAX_D. Prefetching as decode_simd.qk_dp."""
     sig = types.void(*([types.int64] * 15))
 
     def body(b, args):
@@ -88,6 +120,9 @@ def qk_i8(typingctx, qaddr, q_rs, kaddr, offaddr, n, saddr, s_rs, R, D, qsaddr, 
                 sv = b.insert_element(sv, scs[i // NC], ir.Constant(I32, i))
             return b.fmul(v, sv)
 
+        if NARROW:
+            _qk_narrow_i8(b, qa, qrs, ka, _ptr(b, oa, I64), sa, srs, R_, n_, D_, qsa, _other_stream(b, *args[10:]))
+            return
         op = QKOp(1, 32, 64, V32H, _ZERO_I, _widen_i8, _dpw, lambda b, a: b.sitofp(a, V16F), _scaled)
         _qk_kernel(b, op, qa, qrs, ka, _ptr(b, oa, I64), sa, srs, R_, n_, D_, _other_stream(b, *args[10:]), 32,
                    QK_UNROLLED)
@@ -95,6 +130,44 @@ def qk_i8(typingctx, qaddr, q_rs, kaddr, offaddr, n, saddr, s_rs, R, D, qsaddr, 
     def codegen(context, builder, signature, args):
         return _outlined(context, builder, "fia_qk_i8", args, body)
     return sig, codegen
+
+
+def _qk_narrow_i8(b, qa, q_rs, ka, offp, sa, s_rs, R, n, D, qsa, x):
+    """qk_i8's body on 8-lane vectors (CPUs without AVX-512, decode_fma.NARROW): blocks of NR query rows (4, 2,
+    1) x 8 / NR keys, 8 int32 accumulators of `vpmaddwd` sums; D in chunks of 16, each query chunk loaded
+    once per block. The 8 lanes are converted to float32 before they are summed (as the 16 of _dpw)."""
+    nd = b.udiv(D, _c(16))
+
+    def variant(ND):
+        def block(NR, NC, r0, q0, c, s0, xr, _qregs):
+            accs = [[_var(b, ir.Constant(_V8I, [0] * 8)) for _ in range(NC)] for _ in range(NR)]
+            kps = [_gep(b, _ptr(b, ka), b.load(_gep(b, offp, b.add(c, _c(j))))) for j in range(NC)]
+            qrows = [_ptr(b, b.add(q0, b.mul(q_rs, _c(r)))) for r in range(NR)]
+
+            def chunk(k):
+                ks = [b.sext(_load(b, _gep(b, kp, b.mul(k, _c(16))), _V16B), _V16H) for kp in kps]
+                for r in range(NR):
+                    qv = _load(b, _gep(b, qrows[r], b.mul(k, _c(32))), _V16H, 2)
+                    for j in range(NC):
+                        b.store(_pmadd8(b, b.load(accs[r][j]), qv, ks[j]), accs[r][j])
+            if ND is None:
+                with cgutils.for_range(b, nd) as loop:
+                    chunk(loop.index)
+            else:
+                for k in range(ND):
+                    chunk(_c(k))
+            _prefetch_rows(b, xr, c, NC)
+            _prefetch_ahead(b, xr, ka, offp, n, b.mul(nd, _c(16)), _c(1), c, NC)
+            sums = _sums_of(b, *_hsum_tree(b, [b.sitofp(b.load(accs[r][j]), _V8F)
+                                                 for r in range(NR) for j in range(NC)], 8))
+            for r in range(NR):
+                sc = _row_scale(b, qsa, b.add(r0, _c(r)))
+                row = _ptr(b, b.add(s0, b.mul(_c(4), b.mul(s_rs, _c(r)))), F32)
+                for j in range(NC):
+                    b.store(b.fmul(sums[r * NC + j], sc), _gep(b, row, b.add(c, _c(j))), align=4)
+
+        _qk_blocks(b, qa, q_rs, sa, s_rs, R, n, x, block, lambda NR: 8 // NR, None)
+    _switch(b, nd, (8,), variant, None)
 
 
 # ---------------------------------------------------------------------------------------------- PV
@@ -113,6 +186,63 @@ def _pv_op(b, wsa, r0):
     return PVOp(1, _widen_i8, _dpw, acc_in, acc_out, 512)
 
 
+_PAIR_BYTES = [x for i in range(8) for x in (i, 8 + i)]      # bytes of two rows' 8 channels, interleaved
+
+
+def _pv_narrow_i8(b, wa, w_rs, va, offp, n, aa, a_rs, R, Dv, wsa, x):
+    """pv_i8's body on 8-lane vectors (see _qk_narrow_i8): blocks of NR rows (4, 2, 1) x DG = 8 / NR chunks of 8
+    channels per pass over the keys, 8 int32 accumulators of `vpmaddwd` sums over key pairs (the two keys'
+    bytes interleaved); blocks of 512 keys (see pv_i8), each added to the float32 accumulators times ws[r]."""
+    vbase = _ptr(b, va)
+    blk = 512
+
+    def rows_of(NR, r0):
+        DG = 8 // NR
+        ngroups = b.udiv(Dv, _c(8 * DG))
+        p0 = b.add(wa, b.mul(r0, w_rs))
+        x_ = _shared(b, x, r0, R, 4)
+        scs = [_splat(b, _row_scale(b, wsa, b.add(r0, _c(r))), 8) for r in range(NR)]
+        with cgutils.for_range(b, ngroups) as g:
+            dbyte = b.mul(g.index, _c(8 * DG))
+            xg = _first_only(b, x_, g.index)
+            ms = [[_gep(b, _ptr(b, aa), b.add(b.mul(_c(4), b.add(b.mul(a_rs, b.add(r0, _c(r))), dbyte)),
+                                              _c(32 * ch)))
+                   for ch in range(DG)] for r in range(NR)]
+
+            def step(accs, c, second):
+                """Keys c and (second: c + 1 | else: weight 0, the row of c read twice)."""
+                ra = _gep(b, vbase, b.add(b.load(_gep(b, offp, c)), dbyte))
+                rb = _gep(b, vbase, b.add(b.load(_gep(b, offp, b.add(c, _c(1 if second else 0)))), dbyte))
+                _prefetch_rows(b, xg, c, 2)
+                _prefetch_ahead(b, xg, va, offp, n, Dv, _c(1), c, 2)
+                pairs = [b.sext(_shuffle(b, _load(b, _gep(b, ra, _c(8 * ch)), _V8B),
+                                         _load(b, _gep(b, rb, _c(8 * ch)), _V8B), _PAIR_BYTES), _V16H)
+                         for ch in range(DG)]
+                for r in range(NR):
+                    pp = _gep(b, _ptr(b, p0), b.add(b.mul(w_rs, _c(r)), b.mul(c, _c(2))))
+                    w = b.load(b.bitcast(pp, I32.as_pointer()), align=2)
+                    if not second:
+                        w = b.and_(w, ir.Constant(I32, 0xFFFF))
+                    wv = b.bitcast(_splat(b, w, 8), _V16H)
+                    for ch in range(DG):
+                        b.store(_pmadd8(b, b.load(accs[r][ch]), wv, pairs[ch]), accs[r][ch])
+
+            with cgutils.for_range(b, b.udiv(b.add(n, _c(blk - 1)), _c(blk))) as bl:
+                k0 = b.mul(bl.index, _c(blk))
+                m = b.sub(n, k0)
+                m = b.select(b.icmp_unsigned("<", m, _c(blk)), m, _c(blk))
+                accs = [[_var(b, ir.Constant(_V8I, [0] * 8)) for _ in range(DG)] for _ in range(NR)]
+                with cgutils.for_range(b, b.udiv(m, _c(2))) as loop:
+                    step(accs, b.add(k0, b.mul(loop.index, _c(2))), True)
+                with b.if_then(b.icmp_unsigned("==", b.urem(m, _c(2)), _c(1))):
+                    step(accs, b.add(k0, b.sub(m, _c(1))), False)
+                for r in range(NR):
+                    for ch in range(DG):
+                        acc = b.sitofp(b.load(accs[r][ch]), _V8F)
+                        _store(b, _fma(b, acc, scs[r], _load(b, ms[r][ch], _V8F, 4)), ms[r][ch], 4)
+    _row_blocks(b, R, rows_of)
+
+
 @intrinsic
 def pv_i8(typingctx, waddr, w_rs, vaddr, offaddr, n, aaddr, a_rs, R, Dv, wsaddr, xaddr, xoffaddr, xn, xrow, xes):
     """acc[r, :Dv] += ws[r] * sum_c w[r, c] * V[c, :Dv], r < R, c < n. w: int16 at waddr, rows w_rs bytes
@@ -123,6 +253,9 @@ def pv_i8(typingctx, waddr, w_rs, vaddr, offaddr, n, aaddr, a_rs, R, Dv, wsaddr,
 
     def body(b, args):
         wa, wrs, va, oa, n_, aa, ars, R_, Dv_, wsa = args[:10]
+        if NARROW:
+            _pv_narrow_i8(b, wa, wrs, va, _ptr(b, oa, I64), n_, aa, ars, R_, Dv_, wsa, _other_stream(b, *args[10:]))
+            return
         _pv_pairs_kernel(b, lambda r0: _pv_op(b, wsa, r0), wa, wrs, va, _ptr(b, oa, I64), n_, aa, ars, R_, Dv_,
                          _other_stream(b, *args[10:]))
 
