@@ -46,6 +46,10 @@ from .decode_simd import (HAS_DP, KIND_BF16, KIND_F32, KIND_FP16, KIND_I4, KIND_
                           max_f32, pv_dp, qk_dp, target_has)
 from .decode_vnni import HAS_VNNI, I8_DOT, QK_MAX_D, pv_i8, qk_i8
 
+# the hash of the files whose IR these kernels embed: numba caches on this file's bytes alone
+# (kernel_sources.py; tests/test_kernel_cache.py names the new value when one of them changes)
+SOURCES_SHA = "eee257936796a4ca"
+
 # ip[IP_DP] of a call (kernel choice): the bf16 dp kernels where the CPU has AVX512-BF16 (decode_simd.HAS_DP),
 # the other stream prefetched by the IR kernels (DP_NTA: with prefetchnta, not prefetcht1: session 8, two
 # threads, interleaved A/B: int8 +8-13 %, paged bf16 +7-9 %, bf16 dense 0-4 %; fp16 -2-4 % without DP_AHEAD

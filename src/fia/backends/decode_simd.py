@@ -19,8 +19,9 @@ On a CPU without AVX512-BF16 the same IR computes the products with float32 mult
 emulation apart from subnormals), so the code always compiles; the backend only selects these kernels
 where the instruction exists (`HAS_DP`), or when forced for testing (FIA_DECODE_DP=1).
 
-Numba's on-disk cache keys decode_kernels' compiled functions on decode_kernels.py alone: after editing
-this file, touch decode_kernels.py (or delete its __pycache__ *.nbi / *.nbc) so the kernels are rebuilt.
+Numba's on-disk cache keys decode_kernels' compiled functions on the bytes of decode_kernels.py alone
+(a hash: touching the file does nothing): after editing this file, set decode_kernels.SOURCES_SHA (and
+prefill_kernels') to the values tests/test_kernel_cache.py names, so the kernels are rebuilt (kernel_sources.py).
 """
 from __future__ import annotations
 
@@ -132,25 +133,48 @@ def _prefetch_rows(b, x, c, nc, locality=None):
     its count are skipped, and with a share (_shared) the keys of other shares. While QK streams a chunk's
     K, the same keys' V rows are requested; while PV streams V, the next chunk's K rows: both streams stay
     in flight. locality: a fixed prefetch kind instead of x's (t1, or nta when x says so)."""
-    xaddr, xoffp, xn, xbytes, xes, nta = x[:6]
+    xn = x[2]
     for j in range(nc):
         cj = b.add(c, _c(j))
-        ok = b.icmp_unsigned("<", cj, xn)
-        if len(x) > 7:                  # a share: the key pairs with (cj / 2) % parts == part
-            part, parts = x[7:]
-            ok = b.and_(ok, b.icmp_unsigned("==", b.urem(b.lshr(cj, _c(1)), parts), part))
-        with b.if_then(ok):
-            row = _gep(b, _ptr(b, xaddr), b.mul(b.load(_gep(b, xoffp, cj)), xes))
-            lines = b.udiv(b.add(xbytes, _c(63)), _c(64))
-            if locality is not None:
+        with b.if_then(b.icmp_unsigned("<", cj, xn)):
+            ok = _in_share(b, x, cj)
+            with b.if_then(ok):
+                _request_row(b, x, cj, locality)
+
+
+def _in_share(b, x, cj):
+    """Whether key cj is in x's share (_shared): key pairs with (cj / 2) % parts == part; always, without a
+    share. A branch, not a select, picks the mask for a power-of-two count: the division then never runs
+    there (it ran for every key of every pass, unconditionally: the PV inner loop was division-bound, 8 FMAs
+    per key against a 64-bit `div`)."""
+    if len(x) <= 7:
+        return ir.Constant(ir.IntType(1), 1)
+    part, parts = x[7:]
+    h = b.lshr(cj, _c(1))
+    m = b.sub(parts, _c(1))
+    r = _var(b, _c(0))
+    with b.if_else(b.icmp_unsigned("==", b.and_(parts, m), _c(0))) as (pow2, other):
+        with pow2:
+            b.store(b.and_(h, m), r)
+        with other:
+            b.store(b.urem(h, parts), r)
+    return b.icmp_unsigned("==", b.load(r), part)
+
+
+def _request_row(b, x, cj, locality):
+    """Prefetch the row of key cj of the other stream x (see _prefetch_rows)."""
+    xaddr, xoffp, _, xbytes, xes, nta = x[:6]
+    row = _gep(b, _ptr(b, xaddr), b.mul(b.load(_gep(b, xoffp, cj)), xes))
+    lines = b.udiv(b.add(xbytes, _c(63)), _c(64))
+    if locality is not None:
+        with cgutils.for_range(b, lines) as loop:
+            _prefetch(b, _gep(b, row, b.mul(loop.index, _c(64))), locality)
+        return
+    with b.if_else(nta) as (then, otherwise):
+        for loc, blk in ((0, then), (2, otherwise)):
+            with blk:
                 with cgutils.for_range(b, lines) as loop:
-                    _prefetch(b, _gep(b, row, b.mul(loop.index, _c(64))), locality)
-                continue
-            with b.if_else(nta) as (then, otherwise):
-                for loc, blk in ((0, then), (2, otherwise)):
-                    with blk:
-                        with cgutils.for_range(b, lines) as loop:
-                            _prefetch(b, _gep(b, row, b.mul(loop.index, _c(64))), loc)
+                    _prefetch(b, _gep(b, row, b.mul(loop.index, _c(64))), loc)
 
 
 def _prefetch_ahead(b, x, addr, offp, n, row_bytes, es, c, nc):

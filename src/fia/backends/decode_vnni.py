@@ -140,6 +140,8 @@ def _qk_narrow_i8(b, qa, q_rs, ka, offp, sa, s_rs, R, n, D, qsa, x):
 
     def variant(ND):
         def block(NR, NC, r0, q0, c, s0, xr, _qregs):
+            _prefetch_rows(b, xr, c, NC)                   # (first: see decode_fma._qk_narrow)
+            _prefetch_ahead(b, xr, ka, offp, n, b.mul(nd, _c(16)), _c(1), c, NC)
             accs = [[_var(b, ir.Constant(_V8I, [0] * 8)) for _ in range(NC)] for _ in range(NR)]
             kps = [_gep(b, _ptr(b, ka), b.load(_gep(b, offp, b.add(c, _c(j))))) for j in range(NC)]
             qrows = [_ptr(b, b.add(q0, b.mul(q_rs, _c(r)))) for r in range(NR)]
@@ -156,8 +158,6 @@ def _qk_narrow_i8(b, qa, q_rs, ka, offp, sa, s_rs, R, n, D, qsa, x):
             else:
                 for k in range(ND):
                     chunk(_c(k))
-            _prefetch_rows(b, xr, c, NC)
-            _prefetch_ahead(b, xr, ka, offp, n, b.mul(nd, _c(16)), _c(1), c, NC)
             sums = _sums_of(b, *_hsum_tree(b, [b.sitofp(b.load(accs[r][j]), _V8F)
                                                  for r in range(NR) for j in range(NC)], 8))
             for r in range(NR):
