@@ -259,6 +259,49 @@ def test_int8_long_chunks(mode, chunk, monkeypatch):
     compare((q, k, v), kw)
 
 
+@pytest.mark.parametrize("kind", ["bf16", "fp16", "int8-chan", "int8-tok"])
+def test_repeat_calls_are_bitwise_identical(kind, small_splits):
+    """The same call twice, with calls of other shapes (more query rows, longer keys, odd key counts) and two
+    threads in between, gives bitwise the same output and lse: the kernels' scratch (scores, int16 weights
+    with their spare column, partials) is reused across calls and must never be read where it was not
+    written in this call."""
+    g = gen("repeat", kind)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        def call(b, G, sq, s, lens):
+            kvn, d = 2, 128
+            dt = F16 if kind == "fp16" else BF16
+            q = randn((b, kvn * G, sq, d), g, dt)
+            kw = dict(num_heads=kvn * G, num_key_value_heads=kvn, input_layout="BNSD", scale=1 / math.sqrt(d),
+                      softmax_lse_flag=True, actual_seq_lengths_kv=lens)
+            if sq > 1:
+                kw["actual_seq_lengths"] = [sq] * b
+            if kind.startswith("int8"):
+                k, v = rint8((b, kvn, s, d), g), rint8((b, kvn, s, d), g)
+                if kind == "int8-chan":
+                    kw.update(key_antiquant_scale=runif((1, kvn, 1, d), g, 0.004, 0.02, dt),
+                              value_antiquant_scale=runif((1, kvn, 1, d), g, 0.004, 0.02, dt),
+                              key_antiquant_mode=0, value_antiquant_mode=0)
+                else:
+                    kw.update(key_antiquant_scale=runif((1, b, s), g, 0.004, 0.02, F32),
+                              value_antiquant_scale=runif((1, b, s), g, 0.004, 0.02, F32),
+                              key_antiquant_mode=1, value_antiquant_mode=1)
+            else:
+                k, v = randn((b, kvn, s, d), g, dt), randn((b, kvn, s, d), g, dt)
+            return lambda: [t.clone() for t in fia.npu_fused_infer_attention_score(q, k, v, **kw)]
+
+        first = call(2, 4, 1, 301, [301, 167])           # odd key counts: tails, the spare weight
+        other = call(3, 8, 2, 1030, [1030, 999, 513])    # more rows, longer keys: other scratch contents
+        out1, lse1 = first()
+        for _ in range(2):
+            other()
+        out2, lse2 = first()
+        assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
+    finally:
+        torch.set_num_threads(prev)
+
+
 @pytest.mark.parametrize("seed", range(16))
 def test_int8_random_combinations(seed, small_splits):
     """int8 K / V (the int16-operand kernels where the CPU has VNNI) combined at random with what the loop
