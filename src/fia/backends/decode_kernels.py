@@ -791,10 +791,8 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
             acc[r, d] = 0.0
     if hi <= lo:
         return
-    k8, k16, k32, kfl = views(kbuf)
-    v8, v16, v32, vfl = views(vbuf)
-    r8, r16, r32, rfl = views(rbuf)
-    p8, p16, p32, pfl = views(pse)
+    # (the typed views of K / V / rope / pse are made where a path reads them: an array view checks its
+    # size, which numba cannot drop, and 24 of them per item were ~9 % of a small call's kernel time)
 
     # ---- the item's query rows: r = (batch in group) * R0 + g * Q_S + s, head n = h * G + g.
     # q = query * scale (* dequant_scale_query) (* per-channel key scale); rows outside the query
@@ -803,7 +801,6 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
     scale = np.float32(fp[0])
     kc_mode = ip[IP_KC_MODE]
     q8, q16, q32, qfl = views(qbuf)
-    qr8, qr16, qr32, qrfl = views(qrbuf)
     kf_ = kernel_flags(ip)
     dp_qk = (kf_ & KF_DP_QK) != 0
     dp_pv = (kf_ & KF_DP_PV) != 0
@@ -845,6 +842,7 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
         load_rows(q8, q16, q32, qfl, offs, 1, ip[IP_Q_KIND], tmp, 0, D)
         if Dr > 0:
             offs[0] = geo[GEO_QRBASE, b] + n * ip[IP_QR_SN] + si * ip[IP_QR_SS]
+            qr8, qr16, qr32, qrfl = views(qrbuf)
             load_rows(qr8, qr16, qr32, qrfl, offs, 1, ip[IP_QR_KIND], tmp, D, Dr)
         f = scale
         if ip[IP_QD] != 0:
@@ -941,14 +939,16 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
             qk_fma(qv.ctypes.data, qv.shape[1] * 4, kbuf.ctypes.data, k_kind, koff.ctypes.data, n, s.ctypes.data,
                    s.shape[1], R, D, vbuf.ctypes.data, voff.ctypes.data, n if pf else 0, v_row, v_es)
         elif Dr == 0 and k_kind == KIND_BF16:
-            qk_fused(qv, k16, k_kind, koff, n, s, R, D)
+            qk_fused(qv, views(kbuf)[1], k_kind, koff, n, s, R, D)
         elif Dr == 0 and k_kind == KIND_FP16:
-            qk_fused(qv, k16.view(np.int16), k_kind, koff, n, s, R, D)
+            qk_fused(qv, views(kbuf)[1].view(np.int16), k_kind, koff, n, s, R, D)
         elif Dr == 0 and k_kind == KIND_I8:
-            qk_fused(qv, k8, k_kind, koff, n, s, R, D)
+            qk_fused(qv, views(kbuf)[0], k_kind, koff, n, s, R, D)
         else:
+            k8, k16, k32, kfl = views(kbuf)
             load_rows(k8, k16, k32, kfl, koff, n, k_kind, kf, 0, D)
             if Dr > 0:
+                r8, r16, r32, rfl = views(rbuf)
                 load_rows(r8, r16, r32, rfl, roff, n, r_kind, kf, D, Dr)
             qk_block(qv, kf, s, R, n, dq)
         if kt_mode != 0:
@@ -962,6 +962,7 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
                 for c in range(n_):
                     s[r, c] += qar
         if pse_kind >= 0:
+            p8, p16, p32, pfl = views(pse)
             sk = np.uint64(ip[IP_PSE_K])
             for r in range(R):
                 base = (rb[r] * ip[IP_PSE_B] + rn[r] * ip[IP_PSE_N] + rs[r] * ip[IP_PSE_S]
@@ -1036,12 +1037,13 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
                 pv_fma(s.ctypes.data, s.shape[1] * 4, vbuf.ctypes.data, v_kind, voff.ctypes.data, n,
                        acc.ctypes.data, Dv, R, Dv, kbuf.ctypes.data, knext.ctypes.data, nn, k_row, k_es)
         elif v_kind == KIND_BF16:
-            pv_fused(s, v16, v_kind, voff, n, acc, R, Dv)
+            pv_fused(s, views(vbuf)[1], v_kind, voff, n, acc, R, Dv)
         elif v_kind == KIND_FP16:
-            pv_fused(s, v16.view(np.int16), v_kind, voff, n, acc, R, Dv)
+            pv_fused(s, views(vbuf)[1].view(np.int16), v_kind, voff, n, acc, R, Dv)
         elif v_kind == KIND_I8:
-            pv_fused(s, v8, v_kind, voff, n, acc, R, Dv)
+            pv_fused(s, views(vbuf)[0], v_kind, voff, n, acc, R, Dv)
         else:
+            v8, v16, v32, vfl = views(vbuf)
             load_rows(v8, v16, v32, vfl, voff, n, v_kind, vf, 0, Dv)
             pv_block(s, vf, acc, R, n, Dv)
     if vt_mode == 2:
