@@ -333,6 +333,11 @@ def _qk_block(b, op, NR, NC, r0, q0, q_rs, kaddr, offp, c, s0, s_rs, nd, ND, x, 
     one: on the machines measured the hardware prefetchers stream plain ascending reads at ~30 GB/s per
     core but only half that when rows are read interleaved. With ND known the block is straight-line
     code, so the NR x NC accumulation chains overlap (vdpbf16ps has a 6-cycle latency)."""
+    # the prefetch requests first, before the accumulators exist: emitted after the FMAs, their code kept
+    # every accumulator live across it (decode_fma._qk_narrow: measured on Zen 3; here static only: qk_fma
+    # for an AVX-512 target, vector spills / reloads in the function 246 / 126 -> 17 / 5)
+    _prefetch_rows(b, x, c, NC)
+    _prefetch_ahead(b, x, kaddr, offp, n, _c(ND * op.kstep) if ND else b.mul(nd, _c(op.kstep)), _c(op.es), c, NC)
     accs = [[_var(b, op.zero) for _ in range(NC)] for _ in range(NR)]
 
     def chunk(j, kp, k, ki=None):
@@ -352,8 +357,6 @@ def _qk_block(b, op, NR, NC, r0, q0, q_rs, kaddr, offp, c, s0, s_rs, nd, ND, x, 
         else:
             for k in range(ND):
                 chunk(j, kp, _c(k), k)
-    _prefetch_rows(b, x, c, NC)
-    _prefetch_ahead(b, x, kaddr, offp, n, _c(ND * op.kstep) if ND else b.mul(nd, _c(op.kstep)), _c(op.es), c, NC)
     L = NR * NC
     z, out = _hsum_tree(b, [op.to_float(b, b.load(accs[r][j])) for r in range(NR) for j in range(NC)])
     if all(out[i][1] == 1 for i in range(L)):               # 16 sums: one vector, row-major
