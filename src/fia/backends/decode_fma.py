@@ -99,7 +99,7 @@ def qk_fma(typingctx, qaddr, q_rs, kaddr, kind, offaddr, n, saddr, s_rs, R, D, x
 
         def emit(kind):                                      # D = 128 straight-line; others a loop
             if NARROW:
-                _qk_narrow(b, kind, qa, qrs, ka, offp, sa, srs, R_, n_, D_, x)
+                _qk_narrow(b, _qk_narrow_op(kind), qa, qrs, ka, offp, sa, srs, R_, n_, D_, x)
             else:
                 _qk_kernel(b, _qk_op(kind), qa, qrs, ka, offp, sa, srs, R_, n_, D_, x, 16, (8,))
         _switch(b, kd, (KIND_FP16, KIND_I8), emit, KIND_BF16)
@@ -109,13 +109,22 @@ def qk_fma(typingctx, qaddr, q_rs, kaddr, kind, offaddr, n, saddr, s_rs, R, D, x
     return sig, codegen
 
 
-def _qk_narrow(b, kind, qa, q_rs, ka, offp, sa, s_rs, R, n, D, x):
-    """qk_fma's body on 8-lane vectors: blocks of NR query rows (4, 2, 1) x 8 / NR keys (8 accumulators: two
-    FMA pipes of 4-cycle latency need 8 independent chains), D in chunks of 8; each query chunk is loaded
-    once for the block's keys (their rows are read side by side)."""
+def _qk_narrow_op(kind: int) -> QKOp:
+    """qk_fma's QKOp on 8 lanes: float32 query chunks of 8 x widened key chunks of 8, float32 FMAs."""
     es = _esize(kind)
-    vf = _vec(F32, 8)
-    nd = b.udiv(D, _c(8))
+    return QKOp(es, 8 * es, 32, _vec(F32, 8), ir.Constant(_vec(F32, 8), [0.0] * 8),
+                lambda b, p: _widen(b, p, kind, 8), lambda b, acc, q, k: _fma(b, q, k, acc), lambda b, a: a,
+                lambda b, r0, NR, NC, v: v)
+
+
+def _qk_narrow(b, op, qa, q_rs, ka, offp, sa, s_rs, R, n, D, x):
+    """A QK kernel's body on 8-lane accumulators (qk_fma here, decode_vnni.qk_i8): blocks of NR query rows
+    (4, 2, 1) x 8 / NR keys (8 accumulators: two pipes of 4-cycle latency need 8 independent chains), D in
+    chunks of op.kstep / op.es elements; each query chunk is loaded once for the block's keys (their rows are
+    read side by side). D = 128 is straight-line code, other D a loop over the chunks."""
+    per = op.kstep // op.es                                  # elements per chunk
+    nd = b.udiv(D, _c(per))
+    qalign = op.qstep // per                                 # bytes per query element
 
     def variant(ND):
         def block(NR, NC, r0, q0, c, s0, xr, _qregs):
@@ -123,31 +132,38 @@ def _qk_narrow(b, kind, qa, q_rs, ka, offp, sa, s_rs, R, n, D, x):
             # across it and LLVM spilled them (Zen 3, QK alone in L2 with prefetching on, ns per key: 16 rows
             # 160 -> 69, 4 rows 45 -> 17.5; whole calls, in-process A/B: bf16 qs4 1.40x, qs1 1.15x)
             _prefetch_rows(b, xr, c, NC)
-            _prefetch_ahead(b, xr, ka, offp, n, b.mul(nd, _c(8 * es)), _c(es), c, NC)
-            accs = [[_var(b, ir.Constant(vf, [0.0] * 8)) for _ in range(NC)] for _ in range(NR)]
-            kps = [_gep(b, _ptr(b, ka), b.mul(b.load(_gep(b, offp, b.add(c, _c(j)))), _c(es))) for j in range(NC)]
+            _prefetch_ahead(b, xr, ka, offp, n, b.mul(nd, _c(op.kstep)), _c(op.es), c, NC)
+            accs = [[_var(b, op.zero) for _ in range(NC)] for _ in range(NR)]
+            kps = [_gep(b, _ptr(b, ka), b.mul(b.load(_gep(b, offp, b.add(c, _c(j)))), _c(op.es)))
+                   for j in range(NC)]
             qrows = [_ptr(b, b.add(q0, b.mul(q_rs, _c(r)))) for r in range(NR)]
 
             def chunk(k):
-                ks = [_widen(b, _gep(b, kp, b.mul(k, _c(8 * es))), kind, 8) for kp in kps]
+                ks = [op.load_k(b, _gep(b, kp, b.mul(k, _c(op.kstep)))) for kp in kps]
                 for r in range(NR):
-                    qv = _load(b, _gep(b, qrows[r], b.mul(k, _c(32))), vf, 4)
+                    qv = _load(b, _gep(b, qrows[r], b.mul(k, _c(op.qstep))), op.qty, qalign)
                     for j in range(NC):
-                        b.store(_fma(b, qv, ks[j], b.load(accs[r][j])), accs[r][j])
+                        b.store(op.dot(b, b.load(accs[r][j]), qv, ks[j]), accs[r][j])
             if ND is None:
                 with cgutils.for_range(b, nd) as loop:
                     chunk(loop.index)
             else:
                 for k in range(ND):
                     chunk(_c(k))
-            sums = _sums_of(b, *_hsum_tree(b, [b.load(accs[r][j]) for r in range(NR) for j in range(NC)], 8))
+            sums = _sums_of(b, *_hsum_tree(b, [op.to_float(b, b.load(accs[r][j]))
+                                                 for r in range(NR) for j in range(NC)], 8))
+            v = ir.Constant(_vec(F32, NR * NC), None)          # row-major, as op.finish takes them
+            for i, val in enumerate(sums):
+                v = b.insert_element(v, val, ir.Constant(I32, i))
+            v = op.finish(b, r0, NR, NC, v)
             for r in range(NR):
                 row = _ptr(b, b.add(s0, b.mul(_c(4), b.mul(s_rs, _c(r)))), F32)
                 for j in range(NC):
-                    b.store(sums[r * NC + j], _gep(b, row, b.add(c, _c(j))), align=4)
+                    b.store(b.extract_element(v, ir.Constant(I32, r * NC + j)), _gep(b, row, b.add(c, _c(j))),
+                            align=4)
 
         _qk_blocks(b, qa, q_rs, sa, s_rs, R, n, x, block, lambda NR: 8 // NR, None)
-    _switch(b, nd, (16,), variant, None)
+    _switch(b, nd, (128 // per,), variant, None)
 
 
 # ---------------------------------------------------------------------------------------------- PV

@@ -538,19 +538,28 @@ def _pv_rows(b, op, NR, DG, p0, p_rs, vaddr, offp, n, a0, a_rs, ngroups, x):
                     b.store(op.dot(b, b.load(lo_v), wv, pairs[ch][0]), lo_v)
                     b.store(op.dot(b, b.load(hi_v), wv, pairs[ch][1]), hi_v)
 
-        with cgutils.for_range(b, b.udiv(b.add(n, _c(op.block - 1)), _c(op.block))) as blk:
-            k0 = b.mul(blk.index, _c(op.block))
-            m = b.sub(n, k0)
-            m = b.select(b.icmp_unsigned("<", m, _c(op.block)), m, _c(op.block))
-            accs = [[tuple(_var(b, a) for a in op.acc_in(b, r, *ms[r][ch])) for ch in range(DG)]
-                    for r in range(NR)]
-            with cgutils.for_range(b, b.udiv(m, _c(2))) as loop:
-                step(accs, b.add(k0, b.mul(loop.index, _c(2))), True)
-            with b.if_then(b.icmp_unsigned("==", b.urem(m, _c(2)), _c(1))):
-                step(accs, b.add(k0, b.sub(m, _c(1))), False)
+        def finish(accs):
             for r in range(NR):
                 for ch in range(DG):
                     op.acc_out(b, r, b.load(accs[r][ch][0]), b.load(accs[r][ch][1]), *ms[r][ch])
+        _pair_blocks(b, n, op.block, lambda: [[tuple(_var(b, a) for a in op.acc_in(b, r, *ms[r][ch]))
+                                               for ch in range(DG)] for r in range(NR)], step, finish)
+
+
+def _pair_blocks(b, n, block, start, step, finish):
+    """Keys [0, n) in blocks of `block` keys, two at a time (the key-pair PV kernels: pv_dp, pv_i8 in both
+    widths): accs = start() at each block's start, step(accs, c, True) for the pair (c, c + 1),
+    step(accs, c, False) for a block's odd last key, finish(accs) at its end."""
+    with cgutils.for_range(b, b.udiv(b.add(n, _c(block - 1)), _c(block))) as blk:
+        k0 = b.mul(blk.index, _c(block))
+        m = b.sub(n, k0)
+        m = b.select(b.icmp_unsigned("<", m, _c(block)), m, _c(block))
+        accs = start()
+        with cgutils.for_range(b, b.udiv(m, _c(2))) as loop:
+            step(accs, b.add(k0, b.mul(loop.index, _c(2))), True)
+        with b.if_then(b.icmp_unsigned("==", b.urem(m, _c(2)), _c(1))):
+            step(accs, b.add(k0, b.sub(m, _c(1))), False)
+        finish(accs)
 
 
 def _pv_pairs_kernel(b, op_of, pa, p_rs, va, offp, n, aa, a_rs, R, Dv, x):

@@ -19,11 +19,11 @@ are exact; the 16 lanes are converted to float32 before they are summed (docs/DE
   products of |w v| <= 32767 * 128, below 2^31), each block added to the float32 accumulators.
 
 CPUs without AVX-512 (decode_fma.NARROW: 16 vector registers of 8 lanes) run 8-lane forms of both kernels
-(_qk_narrow_i8, _pv_narrow_i8) on AVX2 `vpmaddwd` (pairwise int16 products summed into int32 lanes) plus an
-add: the same integer arithmetic, 8 lanes per instruction. On a CPU without the instruction the same IR
-computes the products with int32 multiplies (exact), so the code always compiles; the backend selects these
-kernels where the instruction of the width exists (`HAS_VNNI`: AVX512-VNNI, or AVX2 for the narrow ones),
-or when forced for testing (FIA_DECODE_VNNI=1). Same numba-cache note as decode_simd.py.
+(decode_fma._qk_narrow with an int16 QKOp, _pv_narrow_i8) on AVX2 `vpmaddwd` (pairwise int16 products summed
+into int32 lanes) plus an add: the same integer arithmetic, 8 lanes per instruction. On a CPU without the
+instruction the same IR computes the products with int32 multiplies (exact), so the code always compiles; the
+backend selects these kernels where the instruction of the width exists (`HAS_VNNI`: AVX512-VNNI, or AVX2 for
+the narrow ones), or when forced for testing (FIA_DECODE_VNNI=1). Same numba-cache note as decode_simd.py.
 """
 from __future__ import annotations
 
@@ -35,11 +35,11 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .decode_fma import NARROW, _fma
+from .decode_fma import NARROW, _fma, _qk_narrow
 from .decode_simd import (F32, I16, I32, I64, V16F, V16I, V32H, PVOp, QKOp, _ACC_BACK, _c, _declare, _first_only,
-                          _gep, _hsum_tree, _load, _other_stream, _outlined, _prefetch_ahead, _prefetch_rows, _ptr,
-                          _pv_pairs_kernel, _qk_blocks, _qk_kernel, _row_blocks, _shared, _shuffle, _splat, _store,
-                          _sums_of, _switch, _var, QK_UNROLLED, target_has)
+                          _gep, _load, _other_stream, _outlined, _pair_blocks, _prefetch_ahead, _prefetch_rows,
+                          _ptr, _pv_pairs_kernel, _qk_kernel, _row_blocks, _shared, _shuffle, _splat, _store, _var,
+                          QK_UNROLLED, target_has)
 
 _HOST_VNNI = target_has("avx512vnni", "avx512bw", "avx512f")
 _HOST_AVX2 = target_has("avx2")
@@ -120,8 +120,11 @@ def qk_i8(typingctx, qaddr, q_rs, kaddr, offaddr, n, saddr, s_rs, R, D, qsaddr, 
                 sv = b.insert_element(sv, scs[i // NC], ir.Constant(I32, i))
             return b.fmul(v, sv)
 
-        if NARROW:
-            _qk_narrow_i8(b, qa, qrs, ka, _ptr(b, oa, I64), sa, srs, R_, n_, D_, qsa, _other_stream(b, *args[10:]))
+        if NARROW:        # 8 lanes: 16 int8 keys (sign-extended) x 16 int16 query values per vpmaddwd
+            op = QKOp(1, 16, 32, _V16H, ir.Constant(_V8I, [0] * 8),
+                      lambda b, p: b.sext(_load(b, p, _V16B), _V16H), _pmadd8, lambda b, a: b.sitofp(a, _V8F),
+                      _scaled)
+            _qk_narrow(b, op, qa, qrs, ka, _ptr(b, oa, I64), sa, srs, R_, n_, D_, _other_stream(b, *args[10:]))
             return
         op = QKOp(1, 32, 64, V32H, _ZERO_I, _widen_i8, _dpw, lambda b, a: b.sitofp(a, V16F), _scaled)
         _qk_kernel(b, op, qa, qrs, ka, _ptr(b, oa, I64), sa, srs, R_, n_, D_, _other_stream(b, *args[10:]), 32,
@@ -130,44 +133,6 @@ def qk_i8(typingctx, qaddr, q_rs, kaddr, offaddr, n, saddr, s_rs, R, D, qsaddr, 
     def codegen(context, builder, signature, args):
         return _outlined(context, builder, "fia_qk_i8", args, body)
     return sig, codegen
-
-
-def _qk_narrow_i8(b, qa, q_rs, ka, offp, sa, s_rs, R, n, D, qsa, x):
-    """qk_i8's body on 8-lane vectors (CPUs without AVX-512, decode_fma.NARROW): blocks of NR query rows (4, 2,
-    1) x 8 / NR keys, 8 int32 accumulators of `vpmaddwd` sums; D in chunks of 16, each query chunk loaded
-    once per block. The 8 lanes are converted to float32 before they are summed (as the 16 of _dpw)."""
-    nd = b.udiv(D, _c(16))
-
-    def variant(ND):
-        def block(NR, NC, r0, q0, c, s0, xr, _qregs):
-            _prefetch_rows(b, xr, c, NC)                   # (first: see decode_fma._qk_narrow)
-            _prefetch_ahead(b, xr, ka, offp, n, b.mul(nd, _c(16)), _c(1), c, NC)
-            accs = [[_var(b, ir.Constant(_V8I, [0] * 8)) for _ in range(NC)] for _ in range(NR)]
-            kps = [_gep(b, _ptr(b, ka), b.load(_gep(b, offp, b.add(c, _c(j))))) for j in range(NC)]
-            qrows = [_ptr(b, b.add(q0, b.mul(q_rs, _c(r)))) for r in range(NR)]
-
-            def chunk(k):
-                ks = [b.sext(_load(b, _gep(b, kp, b.mul(k, _c(16))), _V16B), _V16H) for kp in kps]
-                for r in range(NR):
-                    qv = _load(b, _gep(b, qrows[r], b.mul(k, _c(32))), _V16H, 2)
-                    for j in range(NC):
-                        b.store(_pmadd8(b, b.load(accs[r][j]), qv, ks[j]), accs[r][j])
-            if ND is None:
-                with cgutils.for_range(b, nd) as loop:
-                    chunk(loop.index)
-            else:
-                for k in range(ND):
-                    chunk(_c(k))
-            sums = _sums_of(b, *_hsum_tree(b, [b.sitofp(b.load(accs[r][j]), _V8F)
-                                                 for r in range(NR) for j in range(NC)], 8))
-            for r in range(NR):
-                sc = _row_scale(b, qsa, b.add(r0, _c(r)))
-                row = _ptr(b, b.add(s0, b.mul(_c(4), b.mul(s_rs, _c(r)))), F32)
-                for j in range(NC):
-                    b.store(b.fmul(sums[r * NC + j], sc), _gep(b, row, b.add(c, _c(j))), align=4)
-
-        _qk_blocks(b, qa, q_rs, sa, s_rs, R, n, x, block, lambda NR: 8 // NR, None)
-    _switch(b, nd, (8,), variant, None)
 
 
 # ---------------------------------------------------------------------------------------------- PV
@@ -190,11 +155,11 @@ _PAIR_BYTES = [x for i in range(8) for x in (i, 8 + i)]      # bytes of two rows
 
 
 def _pv_narrow_i8(b, wa, w_rs, va, offp, n, aa, a_rs, R, Dv, wsa, x):
-    """pv_i8's body on 8-lane vectors (see _qk_narrow_i8): blocks of NR rows (4, 2, 1) x DG = 8 / NR chunks of 8
-    channels per pass over the keys, 8 int32 accumulators of `vpmaddwd` sums over key pairs (the two keys'
-    bytes interleaved); blocks of 512 keys (see pv_i8), each added to the float32 accumulators times ws[r]."""
+    """pv_i8's body on 8-lane vectors (as decode_fma._qk_narrow): blocks of NR rows (4, 2, 1) x DG = 8 / NR
+    chunks of 8 channels per pass over the keys, 8 int32 accumulators of `vpmaddwd` sums over key pairs (the
+    two keys' bytes interleaved); blocks of 512 keys (see pv_i8), each added to the float32 accumulators
+    times ws[r]."""
     vbase = _ptr(b, va)
-    blk = 512
 
     def rows_of(NR, r0):
         DG = 8 // NR
@@ -227,19 +192,13 @@ def _pv_narrow_i8(b, wa, w_rs, va, offp, n, aa, a_rs, R, Dv, wsa, x):
                     for ch in range(DG):
                         b.store(_pmadd8(b, b.load(accs[r][ch]), wv, pairs[ch]), accs[r][ch])
 
-            with cgutils.for_range(b, b.udiv(b.add(n, _c(blk - 1)), _c(blk))) as bl:
-                k0 = b.mul(bl.index, _c(blk))
-                m = b.sub(n, k0)
-                m = b.select(b.icmp_unsigned("<", m, _c(blk)), m, _c(blk))
-                accs = [[_var(b, ir.Constant(_V8I, [0] * 8)) for _ in range(DG)] for _ in range(NR)]
-                with cgutils.for_range(b, b.udiv(m, _c(2))) as loop:
-                    step(accs, b.add(k0, b.mul(loop.index, _c(2))), True)
-                with b.if_then(b.icmp_unsigned("==", b.urem(m, _c(2)), _c(1))):
-                    step(accs, b.add(k0, b.sub(m, _c(1))), False)
+            def finish(accs):
                 for r in range(NR):
                     for ch in range(DG):
                         acc = b.sitofp(b.load(accs[r][ch]), _V8F)
                         _store(b, _fma(b, acc, scs[r], _load(b, ms[r][ch], _V8F, 4)), ms[r][ch], 4)
+            _pair_blocks(b, n, 512, lambda: [[_var(b, ir.Constant(_V8I, [0] * 8)) for _ in range(DG)]
+                                             for _ in range(NR)], step, finish)
     _row_blocks(b, R, rows_of)
 
 
