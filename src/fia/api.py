@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from . import parse
+from . import parse, replay
 from .backends import registry
 from .finalize import finalize
 from .outvariants import out_variant, workspace_query
@@ -22,6 +22,7 @@ _INT_MAX = 2147483647
 def _run(problem):
     backend = registry.select(problem)
     result = backend.run(problem)
+    replay.note(problem, backend)          # (for fia.replay: what ran a call that may replay later)
     return finalize(problem, result)
 
 

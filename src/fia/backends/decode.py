@@ -184,6 +184,24 @@ class DecodeBackend(Backend):
     def run(self, p: AttentionProblem) -> BackendResult:
         return _run(p, _kernels())
 
+    def replay(self, p: AttentionProblem, query, key, value) -> Optional["_Replay"]:
+        """fia.replay's prepared launch of p's call (query, key, value as passed), or None where the call
+        reads more than those three tensors' data (or writes through the shared epilogue's Python)."""
+        if (p.memo_key is None or p.kv.kind != "dense" or p.antiquant is not None or p.pse is not None
+                or p.mask.user_mask is not None or p.query_rope is not None or p.query_dequant is not None
+                or p.prefix is not None or p.sink is not None or p.out_quant is not None or p.full_quant is not None
+                or p.kv.key_rope is not None or p.packed or min(query.numel(), key.numel(), value.numel()) == 0
+                or p.B == 0 or p.N == 0 or p.Dv == 0 or p.Q_S == 0):
+            return None
+        K = _kernels()
+        x = _Inputs(p)
+        if x.q is not p.query:                    # (the query is copied first: not a view of the call's)
+            return None
+        plan = _plan_of(p, x, K)
+        if plan.prefix is not None or len(plan.own) != 1 or plan.own[0] is None:
+            return None
+        return _Replay(p, x, plan, K, (query, key, value))
+
 
 def _kernel_names(K, launch: "_Launch") -> str:
     """The kernels of one launch in words (K.kernel_flags decides them; fia.explain shows this)."""
@@ -325,16 +343,21 @@ _MAX_PLANS = 256
 
 def _plan_of(p: AttentionProblem, x: _Inputs, K) -> _Plan:
     """The plan of p, memoized per parse-memo key, thread count and tuning constants."""
-    threads = max(1, torch.get_num_threads())
     if p.memo_key is None:
-        return _plan(p, x, K, threads)
-    key = (p.memo_key, threads, MIN_SPLIT, ITEMS_PER_THREAD, CHUNK_FLOATS, PARALLEL_MIN_WORK, PREFIX_ROWS, K.DP_FLAGS)
+        return _plan(p, x, K, max(1, torch.get_num_threads()))
+    key = _plan_key(p.memo_key, K)
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
-        plan = _PLANS[key] = _plan(p, x, K, threads)
+        plan = _PLANS[key] = _plan(p, x, K, key[1])
     return plan
+
+
+def _plan_key(memo_key: int, K) -> tuple:
+    """What a memoized plan depends on besides the problem's metadata: threads and the tuning constants."""
+    return (memo_key, max(1, torch.get_num_threads()), MIN_SPLIT, ITEMS_PER_THREAD, CHUNK_FLOATS, PARALLEL_MIN_WORK,
+            PREFIX_ROWS, K.DP_FLAGS)
 
 
 def _plan(p: AttentionProblem, x: _Inputs, K, threads: int) -> _Plan:
@@ -503,16 +526,72 @@ def _execute(p: AttentionProblem, x: _Inputs, plan: _Plan, K) -> BackendResult:
         ppo, ppm, ppl, ppany = _partials(plan.prefix.work.shape[1], H, plan.prefix_rows, Dv)
         _attend(K, plan, plan.prefix, x.prefix, qbufs, x.kchan, ppo, ppm, ppl, ppany)
     out = torch.empty_strided(plan.out_size, plan.out_stride, dtype=plan.out_dtype)
-    if p.want_lse:
-        lse = torch.empty(p.lse_shape(), dtype=torch.float32)
-        la, ln = lse.data_ptr(), lse.numel()
-    else:       # merge writes the lse anyway: into scratch (a torch.empty costs ~3 us more per small call)
-        lse = np.empty(p.lse_shape(), np.float32)
-        la, ln = lse.ctypes.data, lse.size
-    obufs = np.array([[out.data_ptr(), la], [plan.out_bytes, ln * 4]], np.int64)
-    K.merge(plan.mp, plan.geo, po, pm, pl, pany, plan.wrange, ppo, ppm, ppl, ppany, plan.pwrange, x.sink, x.vcs,
-            x.vco, plan.obase, obufs)
+    lse, lse_addr = _lse_target(p.lse_shape(), p.want_lse)
+    _merge(K, plan, x, out, lse_addr, (po, pm, pl, pany), (ppo, ppm, ppl, ppany))
     return BackendResult(out, lse if p.want_lse else None)
+
+
+def _lse_target(shape: tuple, want: bool):
+    """(buffer, its (address, bytes)) merge writes the lse to: a float32 tensor when wanted, else numpy
+    scratch (merge writes the lse anyway; a torch.empty costs ~3 us more per small call). The caller keeps
+    the buffer alive until merge has run."""
+    if want:
+        lse = torch.empty(shape, dtype=torch.float32)
+        return lse, (lse.data_ptr(), lse.numel() * 4)
+    scratch = np.empty(shape, np.float32)
+    return scratch, (scratch.ctypes.data, scratch.size * 4)
+
+
+def _merge(K, plan: _Plan, x: _Inputs, out: torch.Tensor, lse_addr: tuple, parts: tuple, pparts: tuple) -> None:
+    """Merge the partials (own, prefix) into `out` (the plan's output, allocated) and the lse at lse_addr."""
+    obufs = np.array([[out.data_ptr(), lse_addr[0]], [plan.out_bytes, lse_addr[1]]], np.int64)
+    K.merge(plan.mp, plan.geo, *parts, plan.wrange, *pparts, plan.pwrange, x.sink, x.vcs, x.vco, plan.obase, obufs)
+
+
+class _Replay:
+    """A call's launch prepared once (fia.replay): the plan, the buffer table with the query, key and value
+    slots refilled from each call's tensors (same metadata: same spans, offsets of the canonical views from
+    the tensors passed), the output allocated directly in its final layout (the epilogue's result for this
+    problem). Returns (out, lse) as the entry point's full path does, or None when the plan went stale."""
+
+    def __init__(self, p: AttentionProblem, x: _Inputs, plan: _Plan, K, tensors: tuple):
+        src = x.sources[0]
+        self.plan, self.launch, self.memo_key = plan, plan.own[0], p.memo_key
+        self.bufs = x.addresses(K)                  # [2, BUF_LEN]: spans fixed by the metadata
+        src.addresses(self.bufs, K)
+        self.slots = (K.BUF_Q, K.BUF_K, K.BUF_V)
+        views = (x.q, src.key, src.value)           # the canonical views the kernels read
+        self.deltas = tuple(c.data_ptr() - t.data_ptr() for c, t in zip(views, tensors))
+        self.bufs[0, list(self.slots)] = 0          # (no address of the admitting call survives)
+        self.x = _Inputs.__new__(_Inputs)           # its dummies only: dequant factors, sink (no tensor kept)
+        self.x.sink, self.x.vcs, self.x.vco, self.x.kchan = x.sink, x.vcs, x.vco, x.kchan
+        self.tbls = (src.tbl, src.ktok.tbl, src.vtok.tbl)
+        self.parts = (plan.W, p.KV_N, p.G * p.Q_S, p.Dv)
+        from ..finalize import expected_outputs
+        self.out_shape, _, lse_shape = expected_outputs(p)      # the epilogue's output = the plan's, contiguous
+        self.want_lse, self.lse_shape = p.want_lse, lse_shape
+        # unwanted lse: one scratch per replay (merge only writes it: concurrent calls may share it)
+        self.scratch = None if p.want_lse else _lse_target(p.lse_shape(), False)
+
+    def __call__(self, q, k, v):
+        K = _K
+        if _PLANS.get(_plan_key(self.memo_key, K)) is not self.plan:
+            return None
+        plan, launch = self.plan, self.launch
+        bufs = self.bufs.copy()
+        s, d = self.slots, self.deltas
+        bufs[0, s[0]], bufs[0, s[1]], bufs[0, s[2]] = q.data_ptr() + d[0], k.data_ptr() + d[1], v.data_ptr() + d[2]
+        parts = _partials(*self.parts)
+        _launch(K.attend_items, launch.items, launch.threads,
+                (launch.ip, plan.fp, plan.geo, launch.work, self.tbls[0], bufs, self.x.kchan, self.tbls[1],
+                 self.tbls[2], *parts, launch.generic))
+        out = torch.empty(self.out_shape, dtype=plan.out_dtype)
+        if self.want_lse:
+            lse, lse_addr = _lse_target(self.lse_shape, True)
+        else:
+            lse, lse_addr = torch.empty(0, dtype=torch.float32), self.scratch[1]
+        _merge(K, plan, self.x, out, lse_addr, parts, parts)
+        return out, lse
 
 
 def _partials(W: int, H: int, R: int, Dv: int):

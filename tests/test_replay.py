@@ -1,0 +1,207 @@
+"""Call replay (fia/replay.py, DecodeBackend.replay): a repeated call's prepared launch must return exactly what
+the full path returns, on new data every call, and must never serve a call it does not cover."""
+import threading
+
+import pytest
+import torch
+
+import fia
+from fia import replay
+from fia.backends import decode as DEC
+from fia.parse import memo
+
+import naive
+from util import gen, randn, to_layout
+
+pytestmark = pytest.mark.skipif(not DEC._numba_available(), reason="numba not installed")
+
+
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch, fia_backend):
+    """The decode backend's replay (the suite's other backends offer none); an empty replay table, the memo
+    looking up every call, counters from zero."""
+    if fia_backend != "decode":
+        pytest.skip("only the decode backend offers replays")
+    monkeypatch.setattr(memo, "_TRIAL", 1 << 30)
+    monkeypatch.setattr(replay, "_TABLE", {})
+    monkeypatch.setattr(replay, "stats", {"admitted": 0, "refused": 0, "replayed": 0})
+
+
+def full_path(fn, *args, **kw):
+    """The same call without replay (its key is never computed)."""
+    saved = replay.key_of
+    replay.key_of = lambda *a: None
+    try:
+        return fn(*args, **kw)
+    finally:
+        replay.key_of = saved
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape or a.stride() != b.stride():
+        return False
+    if a.is_floating_point():
+        it = {2: torch.int16, 4: torch.int32}[a.element_size()]
+        a, b = a.view(it), b.view(it)
+    return torch.equal(a, b)
+
+
+def inputs(seed, B, N, KV_N, Q_S, S, D, dtype, layout):
+    g = gen(seed)
+    q = randn((B, N, Q_S, D), g, dtype)
+    k = randn((B, KV_N, S, D), g, dtype)
+    v = randn((B, KV_N, S, D), g, dtype)
+    return q, k, v, to_layout(q, layout), to_layout(k, layout), to_layout(v, layout)
+
+
+CASES = [  # (B, N, KV_N, Q_S, S, D, dtype, layout, lse)
+    (1, 8, 8, 1, 128, 128, torch.bfloat16, "BNSD", False),
+    (2, 8, 2, 1, 200, 64, torch.float16, "BSH", True),
+    (3, 4, 1, 1, 77, 32, torch.bfloat16, "BSND", True),
+    (2, 16, 4, 3, 96, 128, torch.float16, "BNSD", True),
+    (2, 8, 2, 1, 2000, 128, torch.bfloat16, "BSND", False),       # split KV, two threads where there are two
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[7]}-{c[6]}-qs{c[3]}-kv{c[4]}-lse{int(c[8])}")
+def test_replay_equals_full_path_on_new_data(case):
+    B, N, KV_N, Q_S, S, D, dt, layout, lse = case
+    kw = dict(num_heads=N, num_key_value_heads=KV_N, input_layout=layout, scale=D ** -0.5, softmax_lse_flag=lse)
+    for step in range(5):
+        q0, k0, v0, q, k, v = inputs(100 + step, B, N, KV_N, Q_S, S, D, dt, layout)
+        got_out, got_lse = fia.npu_fused_infer_attention_score(q, k, v, **kw)
+        want_out, want_lse = full_path(fia.npu_fused_infer_attention_score, q, k, v, **kw)
+        assert bits_equal(got_out, want_out) and bits_equal(got_lse, want_lse)
+        ref, _ = naive.attention(q0.double(), k0.double(), v0.double(), scale=D ** -0.5)
+        assert torch.allclose(to_layout(ref, layout).to(dt).float(), got_out.float(), atol=2e-2, rtol=2e-2)
+    assert replay.stats["admitted"] == 1 and replay.stats["replayed"] >= 2, replay.stats
+
+
+def test_replay_reads_the_call_s_own_views():
+    """Two windows of one cache with equal metadata (different addresses), and a query view into a bigger
+    buffer: every call reads its own tensors."""
+    B, N, KV_N, S, D = 2, 4, 2, 64, 64
+    g = gen(7)
+    cache_k = randn((B, KV_N, 4 * S, D), g, torch.bfloat16)
+    cache_v = randn((B, KV_N, 4 * S, D), g, torch.bfloat16)
+    qbuf = randn((B, N, 3, D), g, torch.bfloat16)
+    kw = dict(num_heads=N, num_key_value_heads=KV_N, input_layout="BNSD", scale=0.125)
+    for w in (0, 1, 2, 3, 2, 1, 0):
+        k, v, q = cache_k[:, :, w * S:(w + 1) * S], cache_v[:, :, w * S:(w + 1) * S], qbuf[:, :, w % 3:w % 3 + 1]
+        got, _ = fia.npu_fused_infer_attention_score(q, k, v, **kw)
+        want, _ = full_path(fia.npu_fused_infer_attention_score, q, k, v, **kw)
+        assert bits_equal(got, want)
+    assert replay.stats["replayed"] >= 3, replay.stats
+
+
+def test_incre_and_prompt_entry_points_replay():
+    B, N, KV_N, S, D = 2, 8, 2, 96, 64
+    for step in range(4):
+        q0, k0, v0, q, k, v = inputs(300 + step, B, N, KV_N, 1, S, D, torch.float16, "BSH")
+        got = fia.npu_incre_flash_attention(q, k, v, num_heads=N, num_key_value_heads=KV_N, input_layout="BSH",
+                                            scale_value=0.125)
+        want = full_path(fia.npu_incre_flash_attention, q, k, v, num_heads=N, num_key_value_heads=KV_N,
+                         input_layout="BSH", scale_value=0.125)
+        assert type(got) is torch.Tensor and bits_equal(got, want)
+        got = fia.npu_prompt_flash_attention(q, k, v, num_heads=N, num_key_value_heads=KV_N, input_layout="BSH",
+                                             scale_value=0.125, next_tokens=65536)
+        want = full_path(fia.npu_prompt_flash_attention, q, k, v, num_heads=N, num_key_value_heads=KV_N,
+                         input_layout="BSH", scale_value=0.125, next_tokens=65536)
+        assert type(got) is torch.Tensor and bits_equal(got, want)
+    assert replay.stats["admitted"] == 2 and replay.stats["replayed"] >= 4, replay.stats
+
+
+def test_key_separates_what_the_full_path_separates():
+    q = torch.randn(1, 4, 1, 32).to(torch.float16)
+    k = torch.randn(1, 4, 16, 32).to(torch.float16)
+    base = dict(num_heads=4, input_layout="BNSD", scale=0.5)
+    key = replay.key_of("f", q, k, k, base)
+    assert key is not None
+    assert key != replay.key_of("f", q, k, k, dict(base, scale=-0.5))
+    assert replay.key_of("f", q, k, k, dict(base, scale=0.0)) != replay.key_of("f", q, k, k, dict(base, scale=-0.0))
+    assert replay.key_of("f", q, k, k, dict(base, num_heads=4.0)) != key         # 4.0 is not 4
+    assert replay.key_of("f", q, k, k, dict(base, softmax_lse_flag=1)) != replay.key_of(
+        "f", q, k, k, dict(base, softmax_lse_flag=True))
+    assert replay.key_of("f", q, k.transpose(2, 3).contiguous().transpose(2, 3), k, base) != key   # strides
+    assert replay.key_of("g", q, k, k, base) != key
+    with fia.validation_mode("portable"):
+        assert replay.key_of("f", q, k, k, base) != key
+    with fia.use_backend("reference"):
+        assert replay.key_of("f", q, k, k, base) != key
+    # never keyed: another tensor argument, a lengths list, a tensor subclass
+    assert replay.key_of("f", q, k, k, dict(base, atten_mask=torch.zeros(1, 1, 16, dtype=torch.bool))) is None
+    assert replay.key_of("f", q, k, k, dict(base, actual_seq_lengths_kv=[16])) is None
+    assert replay.key_of("f", torch.nn.Parameter(q.float()), k, k, base) is None
+
+
+def test_forced_backend_and_mode_are_respected():
+    B, N, KV_N, S, D = 1, 4, 4, 64, 64
+    kw = dict(num_heads=N, num_key_value_heads=KV_N, input_layout="BNSD", scale=0.125)
+    for step in range(3):
+        _, _, _, q, k, v = inputs(400 + step, B, N, KV_N, 1, S, D, torch.bfloat16, "BNSD")
+        fia.npu_fused_infer_attention_score(q, k, v, **kw)
+    assert replay.stats["admitted"] == 1
+    calls = []
+    real = DEC.DecodeBackend.run
+    with fia.use_backend("reference"):          # a forced backend is part of the key: the reference runs
+        try:
+            DEC.DecodeBackend.run = lambda self, p: calls.append(p) or real(self, p)
+            for _ in range(3):
+                fia.npu_fused_infer_attention_score(q, k, v, **kw)
+        finally:
+            DEC.DecodeBackend.run = real
+    assert calls == []
+
+
+def test_stale_plan_takes_the_full_path(monkeypatch):
+    B, N, KV_N, S, D = 2, 4, 2, 1500, 64
+    kw = dict(num_heads=N, num_key_value_heads=KV_N, input_layout="BNSD", scale=0.125)
+    _, _, _, q, k, v = inputs(500, B, N, KV_N, 1, S, D, torch.bfloat16, "BNSD")
+    for _ in range(3):
+        fia.npu_fused_infer_attention_score(q, k, v, **kw)
+    assert replay.stats["admitted"] == 1
+    monkeypatch.setattr(DEC, "MIN_SPLIT", 8)       # another split: the prepared plan is stale
+    monkeypatch.setattr(DEC, "ITEMS_PER_THREAD", 64)
+    seen = []
+    real = DEC._plan
+    monkeypatch.setattr(DEC, "_plan", lambda *a: seen.append(1) or real(*a))
+    got, _ = fia.npu_fused_infer_attention_score(q, k, v, **kw)
+    assert seen, "the stale replay ran instead of a new plan"
+    want, _ = full_path(fia.npu_fused_infer_attention_score, q, k, v, **kw)
+    assert bits_equal(got, want)
+
+
+def test_not_offered_where_other_data_are_read():
+    """A paged cache, int8 K/V with scales, a mask: no replay (they are never keyed or never offered)."""
+    B, N, KV_N, S, D = 1, 4, 4, 64, 64
+    g = gen(9)
+    q = randn((B, N, 1, D), g, torch.bfloat16)
+    k8 = torch.randint(-100, 100, (B, KV_N, S, D), dtype=torch.int8)
+    sc = torch.rand(2, KV_N * D, generator=g).to(torch.bfloat16) + 0.5
+    for _ in range(3):
+        fia.npu_fused_infer_attention_score(q, k8, k8, num_heads=N, num_key_value_heads=KV_N, input_layout="BNSD",
+                                            antiquant_scale=sc, scale=0.125)
+    assert replay.stats == {"admitted": 0, "refused": 0, "replayed": 0}
+
+
+def test_threads_share_a_replay():
+    B, N, KV_N, S, D = 1, 8, 8, 128, 128
+    kw = dict(num_heads=N, num_key_value_heads=KV_N, input_layout="BNSD", scale=D ** -0.5)
+    data = [inputs(600 + i, B, N, KV_N, 1, S, D, torch.bfloat16, "BNSD")[3:] for i in range(4)]
+    want = [full_path(fia.npu_fused_infer_attention_score, *d, **kw)[0] for d in data]
+    for d in data:
+        fia.npu_fused_infer_attention_score(*d, **kw)
+    bad = []
+
+    def worker(j):
+        for i in range(50):
+            d = (i + j) % 4
+            if not bits_equal(fia.npu_fused_infer_attention_score(*data[d], **kw)[0], want[d]):
+                bad.append((j, i))
+
+    ts = [threading.Thread(target=worker, args=(j,)) for j in range(3)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not bad and replay.stats["replayed"] >= 100
