@@ -572,6 +572,8 @@ class _Replay:
         self.want_lse, self.lse_shape = p.want_lse, lse_shape
         # unwanted lse: one scratch per replay (merge only writes it: concurrent calls may share it)
         self.scratch = None if p.want_lse else _lse_target(p.lse_shape(), False)
+        lse_bytes = math.prod(lse_shape) * 4 if p.want_lse else self.scratch[1][1]
+        self.dims = np.array(self.parts + (plan.out_bytes, lse_bytes), np.int64)   # (attend_merge)
 
     def __call__(self, q, k, v):
         K = _K
@@ -581,15 +583,20 @@ class _Replay:
         bufs = self.bufs.copy()
         s, d = self.slots, self.deltas
         bufs[0, s[0]], bufs[0, s[1]], bufs[0, s[2]] = q.data_ptr() + d[0], k.data_ptr() + d[1], v.data_ptr() + d[2]
-        parts = _partials(*self.parts)
-        _launch(K.attend_items, launch.items, launch.threads,
-                (launch.ip, plan.fp, plan.geo, launch.work, self.tbls[0], bufs, self.x.kchan, self.tbls[1],
-                 self.tbls[2], *parts, launch.generic))
         out = torch.empty(self.out_shape, dtype=plan.out_dtype)
         if self.want_lse:
             lse, lse_addr = _lse_target(self.lse_shape, True)
         else:
             lse, lse_addr = torch.empty(0, dtype=torch.float32), self.scratch[1]
+        if launch.threads == 1:                     # attend + merge in one dispatch
+            K.attend_merge(launch.items, launch.ip, plan.fp, plan.geo, launch.work, self.tbls[0], bufs, self.x.kchan,
+                           self.tbls[1], self.tbls[2], launch.generic, plan.mp, plan.wrange, plan.pwrange,
+                           self.x.sink, self.x.vcs, self.x.vco, plan.obase, self.dims, out.data_ptr(), lse_addr[0])
+            return out, lse
+        parts = _partials(*self.parts)
+        _launch(K.attend_items, launch.items, launch.threads,
+                (launch.ip, plan.fp, plan.geo, launch.work, self.tbls[0], bufs, self.x.kchan, self.tbls[1],
+                 self.tbls[2], *parts, launch.generic))
         _merge(K, plan, self.x, out, lse_addr, parts, parts)
         return out, lse
 

@@ -1294,3 +1294,26 @@ def _store(of, oh, okind, ob, o, Dv):
     else:
         for d in range(Dv):
             oh[ob + d] = f32_to_half_bits(o[d])
+
+
+# ---------------------------------------------------------------------------------------------- one dispatch
+@njit(nogil=True, cache=True)
+def attend_merge(items, ip, fp, geo, work, tbl, bufs, kchan, kt_tbl, vt_tbl, generic, mp, wrange, pwrange, sink,
+                 vcs, vco, obase, dims, out_addr, lse_addr):
+    """A single-threaded call without a prefix (fia.replay): attend_items on the calling thread, then merge, in
+    one dispatch -- the partials [W, KV_N, R(, Dv)] (dims = W, KV_N, R, Dv, output bytes, lse bytes), the
+    counter and obufs made here. On a small call each numba dispatch and each numpy allocation costs the
+    host microseconds (issue 7's small call)."""
+    W = max(dims[0], 1)
+    po = np.empty((W, dims[1], dims[2], dims[3]), np.float32)
+    pm = np.empty((W, dims[1], dims[2]), np.float32)
+    pl = np.zeros((W, dims[1], dims[2]), np.float32)
+    pany = np.zeros((W, dims[1], dims[2]), np.uint8)
+    counter = np.zeros(1, np.int64)
+    attend_items(items, counter, ip, fp, geo, work, tbl, bufs, kchan, kt_tbl, vt_tbl, po, pm, pl, pany, generic)
+    obufs = np.empty((2, 2), np.int64)
+    obufs[0, 0] = out_addr
+    obufs[0, 1] = lse_addr
+    obufs[1, 0] = dims[4]
+    obufs[1, 1] = dims[5]
+    merge(mp, geo, po, pm, pl, pany, wrange, po, pm, pl, pany, pwrange, sink, vcs, vco, obase, obufs)
