@@ -15,14 +15,25 @@ STRICT = "strict"
 PORTABLE = "portable"
 _MODES = (STRICT, PORTABLE)
 
-_state = threading.local()
+_UNSET = object()
+
+
+class _State(threading.local):
+    """Per-thread settings; the class attributes stand for "not set in this thread" (a getattr with a default
+    raised and caught AttributeError every call: ~1 us each on a slow host, twice in a replayed call)."""
+    mode = _UNSET
+    backend = _UNSET
+
+
+_state = _State()
 _default = os.environ.get("FIA_VALIDATION", STRICT).strip().lower() or STRICT
 if _default not in _MODES:
     _default = STRICT
 
 
 def get_validation_mode() -> str:
-    return getattr(_state, "mode", _default)
+    m = _state.mode
+    return _default if m is _UNSET else m
 
 
 def set_validation_mode(mode: str) -> None:
@@ -41,12 +52,12 @@ def validation_mode(mode: str):
     if mode not in _MODES:
         from .errors import input_error
         raise input_error("mode", f"one of {_MODES}", repr(mode))
-    prev = getattr(_state, "mode", None)
+    prev = _state.mode
     _state.mode = mode
     try:
         yield
     finally:
-        if prev is None:
+        if prev is _UNSET:
             del _state.mode
         else:
             _state.mode = prev
@@ -63,7 +74,8 @@ _backend_default: str | None = os.environ.get("FIA_BACKEND") or None
 
 
 def get_backend() -> str | None:
-    return getattr(_state, "backend", _backend_default)
+    b = _state.backend
+    return _backend_default if b is _UNSET else b
 
 
 def set_backend(name: str | None) -> None:
@@ -74,13 +86,12 @@ def set_backend(name: str | None) -> None:
 @contextlib.contextmanager
 def use_backend(name: str | None):
     """Context manager forcing a backend by name (None = automatic)."""
-    sentinel = object()
-    prev = getattr(_state, "backend", sentinel)
+    prev = _state.backend
     _state.backend = name
     try:
         yield
     finally:
-        if prev is sentinel:
+        if prev is _UNSET:
             del _state.backend
         else:
             _state.backend = prev
