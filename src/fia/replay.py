@@ -36,7 +36,16 @@ _ONES, _FLOATS = repeat(1.0), repeat(float)
 _MAX = 64                       # keys held (cleared when full)
 _NEVER = object()               # a key that does not replay (no replay offered, or the trial differed)
 _TABLE: dict = {}               # key -> replay callable or _NEVER
-_last = threading.local()       # armed: inside `capture`; run: the (problem, backend) noted by api._run
+
+
+class _Last(threading.local):
+    """armed: inside `capture`; run: the (problem, backend) noted by api._run. Class defaults, so `note` -- on
+    every full-path call -- reads them without a getattr default (a raised and caught AttributeError)."""
+    armed = False
+    run = None
+
+
+_last = _Last()
 stats = {"admitted": 0, "refused": 0, "replayed": 0}
 
 
@@ -82,7 +91,7 @@ def capture(fn, *args, **kwargs):
 
 def note(problem, backend) -> None:
     """Called by the full path (api._run) with what ran the call, kept only inside `capture`."""
-    if getattr(_last, "armed", False):
+    if _last.armed:
         _last.run = (problem, backend)
 
 

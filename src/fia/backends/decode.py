@@ -527,7 +527,7 @@ def _execute(p: AttentionProblem, x: _Inputs, plan: _Plan, K) -> BackendResult:
         _attend(K, plan, plan.prefix, x.prefix, qbufs, x.kchan, ppo, ppm, ppl, ppany)
     out = torch.empty_strided(plan.out_size, plan.out_stride, dtype=plan.out_dtype)
     lse, lse_addr = _lse_target(p.lse_shape(), p.want_lse)
-    _merge(K, plan, x, out, lse_addr, (po, pm, pl, pany), (ppo, ppm, ppl, ppany))
+    _merge(K, plan, (x.sink, x.vcs, x.vco), out, lse_addr, (po, pm, pl, pany), (ppo, ppm, ppl, ppany))
     return BackendResult(out, lse if p.want_lse else None)
 
 
@@ -542,10 +542,11 @@ def _lse_target(shape: tuple, want: bool):
     return scratch, (scratch.ctypes.data, scratch.size * 4)
 
 
-def _merge(K, plan: _Plan, x: _Inputs, out: torch.Tensor, lse_addr: tuple, parts: tuple, pparts: tuple) -> None:
-    """Merge the partials (own, prefix) into `out` (the plan's output, allocated) and the lse at lse_addr."""
+def _merge(K, plan: _Plan, factors: tuple, out: torch.Tensor, lse_addr: tuple, parts: tuple, pparts: tuple) -> None:
+    """Merge the partials (own, prefix) into `out` (the plan's output, allocated) and the lse at lse_addr;
+    factors: _Inputs' (sink, vcs, vco)."""
     obufs = np.array([[out.data_ptr(), lse_addr[0]], [plan.out_bytes, lse_addr[1]]], np.int64)
-    K.merge(plan.mp, plan.geo, *parts, plan.wrange, *pparts, plan.pwrange, x.sink, x.vcs, x.vco, plan.obase, obufs)
+    K.merge(plan.mp, plan.geo, *parts, plan.wrange, *pparts, plan.pwrange, *factors, plan.obase, obufs)
 
 
 class _Replay:
@@ -563,8 +564,8 @@ class _Replay:
         views = (x.q, src.key, src.value)           # the canonical views the kernels read
         self.deltas = tuple(c.data_ptr() - t.data_ptr() for c, t in zip(views, tensors))
         self.bufs[0, list(self.slots)] = 0          # (no address of the admitting call survives)
-        self.x = _Inputs.__new__(_Inputs)           # its dummies only: dequant factors, sink (no tensor kept)
-        self.x.sink, self.x.vcs, self.x.vco, self.x.kchan = x.sink, x.vcs, x.vco, x.kchan
+        # _Inputs' dummies only (no antiquant, no sink here): no tensor of the admitting call is kept
+        self.kchan, self.factors = x.kchan, (x.sink, x.vcs, x.vco)
         self.tbls = (src.tbl, src.ktok.tbl, src.vtok.tbl)
         self.parts = (plan.W, p.KV_N, p.G * p.Q_S, p.Dv)
         from ..finalize import expected_outputs
@@ -589,15 +590,15 @@ class _Replay:
         else:
             lse, lse_addr = torch.empty(0, dtype=torch.float32), self.scratch[1]
         if launch.threads == 1:                     # attend + merge in one dispatch
-            K.attend_merge(launch.items, launch.ip, plan.fp, plan.geo, launch.work, self.tbls[0], bufs, self.x.kchan,
+            K.attend_merge(launch.items, launch.ip, plan.fp, plan.geo, launch.work, self.tbls[0], bufs, self.kchan,
                            self.tbls[1], self.tbls[2], launch.generic, plan.mp, plan.wrange, plan.pwrange,
-                           self.x.sink, self.x.vcs, self.x.vco, plan.obase, self.dims, out.data_ptr(), lse_addr[0])
+                           *self.factors, plan.obase, self.dims, out.data_ptr(), lse_addr[0])
             return out, lse
         parts = _partials(*self.parts)
         _launch(K.attend_items, launch.items, launch.threads,
-                (launch.ip, plan.fp, plan.geo, launch.work, self.tbls[0], bufs, self.x.kchan, self.tbls[1],
+                (launch.ip, plan.fp, plan.geo, launch.work, self.tbls[0], bufs, self.kchan, self.tbls[1],
                  self.tbls[2], *parts, launch.generic))
-        _merge(K, plan, self.x, out, lse_addr, parts, parts)
+        _merge(K, plan, self.factors, out, lse_addr, parts, parts)
         return out, lse
 
 
