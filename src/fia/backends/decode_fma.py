@@ -32,6 +32,13 @@ F16C = platform.machine().lower() in ("aarch64", "arm64") or target_has("f16c")
 # blocks below in two, and their 16-32 accumulators spill (AMD Zen 3, AVX2, in L2, ns per key, 4 rows:
 # QK 24-34, PV 45). NARROW kernels work on 8 lanes with at most 8 accumulators (_qk_narrow, _pv_narrow).
 NARROW = not target_has("avx512f")
+# bf16 K / V for the NARROW kernels, widened in even / odd halves (_widen_eo): one 32-byte load of 16 values
+# gives the even-indexed ones as `bits << 16` and the odd-indexed ones as `bits & 0xFFFF0000` (1 load + 2 ALU
+# ops per 16 values; the zero-extending widening took 2 loads + 2 shuffles + 2 shifts, and on Zen 3 its
+# shuffles share a pipe with the FMAs). The caller pairs them: QK with the query de-interleaved the same way
+# once per item, PV with accumulators whose 16-channel groups hold the even channels, then the odd ones
+# (decode_kernels._item puts them back). Exact: the same products, only summed in another order.
+KIND_BF16_EO = 5
 
 
 def _vec(ty, lanes):
@@ -68,6 +75,15 @@ def _widen(b, p, kind: int, lanes: int = 16):
     return b.bitcast(b.shl(x, ir.Constant(vi, [16] * lanes)), vf)
 
 
+def _widen_eo(b, p):
+    """16 bf16 values at byte pointer p as (even-indexed, odd-indexed) <8 x float> (see KIND_BF16_EO)."""
+    vi = _vec(I32, 8)
+    w = _load(b, p, vi)
+    even = b.shl(w, ir.Constant(vi, [16] * 8))
+    odd = b.and_(w, ir.Constant(vi, [-65536] * 8))
+    return b.bitcast(even, _vec(F32, 8)), b.bitcast(odd, _vec(F32, 8))
+
+
 def _esize(kind: int) -> int:
     return 1 if kind == KIND_I8 else 2
 
@@ -99,10 +115,12 @@ def qk_fma(typingctx, qaddr, q_rs, kaddr, kind, offaddr, n, saddr, s_rs, R, D, x
 
         def emit(kind):                                      # D = 128 straight-line; others a loop
             if NARROW:
-                _qk_narrow(b, _qk_narrow_op(kind), qa, qrs, ka, offp, sa, srs, R_, n_, D_, x)
+                eo = kind == KIND_BF16_EO
+                _qk_narrow(b, _qk_narrow_op(KIND_BF16 if eo else kind), qa, qrs, ka, offp, sa, srs, R_, n_, D_, x,
+                           eo)
             else:
                 _qk_kernel(b, _qk_op(kind), qa, qrs, ka, offp, sa, srs, R_, n_, D_, x, 16, (8,))
-        _switch(b, kd, (KIND_FP16, KIND_I8), emit, KIND_BF16)
+        _switch(b, kd, (KIND_FP16, KIND_I8, KIND_BF16_EO) if NARROW else (KIND_FP16, KIND_I8), emit, KIND_BF16)
 
     def codegen(context, builder, signature, args):
         return _outlined(context, builder, "fia_qk_fma", args, body)
@@ -117,11 +135,12 @@ def _qk_narrow_op(kind: int) -> QKOp:
                 lambda b, r0, NR, NC, v: v)
 
 
-def _qk_narrow(b, op, qa, q_rs, ka, offp, sa, s_rs, R, n, D, x):
+def _qk_narrow(b, op, qa, q_rs, ka, offp, sa, s_rs, R, n, D, x, eo=False):
     """A QK kernel's body on 8-lane accumulators (qk_fma here, decode_vnni.qk_i8): blocks of NR query rows
     (4, 2, 1) x 8 / NR keys (8 accumulators: two pipes of 4-cycle latency need 8 independent chains), D in
     chunks of op.kstep / op.es elements; each query chunk is loaded once for the block's keys (their rows are
-    read side by side). D = 128 is straight-line code, other D a loop over the chunks."""
+    read side by side). D = 128 is straight-line code, other D a loop over the chunks. eo: bf16 keys widened in
+    even / odd halves, chunks 2i and 2i + 1 from one load, against a query de-interleaved alike (KIND_BF16_EO)."""
     per = op.kstep // op.es                                  # elements per chunk
     nd = b.udiv(D, _c(per))
     qalign = op.qstep // per                                 # bytes per query element
@@ -138,17 +157,26 @@ def _qk_narrow(b, op, qa, q_rs, ka, offp, sa, s_rs, R, n, D, x):
                    for j in range(NC)]
             qrows = [_ptr(b, b.add(q0, b.mul(q_rs, _c(r)))) for r in range(NR)]
 
-            def chunk(k):
-                ks = [op.load_k(b, _gep(b, kp, b.mul(k, _c(op.kstep)))) for kp in kps]
+            def fmas(k, ks):
                 for r in range(NR):
                     qv = _load(b, _gep(b, qrows[r], b.mul(k, _c(op.qstep))), op.qty, qalign)
                     for j in range(NC):
                         b.store(op.dot(b, b.load(accs[r][j]), qv, ks[j]), accs[r][j])
+
+            def chunk(k):
+                if not eo:
+                    fmas(k, [op.load_k(b, _gep(b, kp, b.mul(k, _c(op.kstep)))) for kp in kps])
+                    return
+                # k: a pair of chunks, 2k (even-indexed values) and 2k + 1 (odd-indexed), one load per key
+                halves = [_widen_eo(b, _gep(b, kp, b.mul(k, _c(2 * op.kstep)))) for kp in kps]
+                for h in range(2):
+                    fmas(b.add(b.mul(k, _c(2)), _c(h)), [ev_od[h] for ev_od in halves])
+            steps = b.udiv(nd, _c(2)) if eo else nd
             if ND is None:
-                with cgutils.for_range(b, nd) as loop:
+                with cgutils.for_range(b, steps) as loop:
                     chunk(loop.index)
             else:
-                for k in range(ND):
+                for k in range(ND // 2 if eo else ND):
                     chunk(_c(k))
             sums = _sums_of(b, *_hsum_tree(b, [op.to_float(b, b.load(accs[r][j]))
                                                  for r in range(NR) for j in range(NC)], 8))
@@ -180,7 +208,10 @@ def _pv_pass(b, kind, NR, DG, p0, p_rs, vaddr, offp, n, a0, a_rs, g, x, vrow, la
     with cgutils.for_range(b, n) as loop:
         c = loop.index
         vp = _gep(b, vbase, b.add(b.mul(b.load(_gep(b, offp, c)), _c(es)), b.mul(g, _c(lanes * DG * es))))
-        vs = [_widen(b, _gep(b, vp, _c(lanes * es * ch)), kind, lanes) for ch in range(DG)]   # row c in order
+        if kind == KIND_BF16_EO:                              # chunk pairs: even / odd channels (KIND_BF16_EO)
+            vs = [h for ch in range(0, DG, 2) for h in _widen_eo(b, _gep(b, vp, _c(lanes * es * ch)))]
+        else:
+            vs = [_widen(b, _gep(b, vp, _c(lanes * es * ch)), kind, lanes) for ch in range(DG)]   # row c in order
         _prefetch_rows(b, x, c, 1)
         _prefetch_ahead(b, x, vaddr, offp, n, vrow, _c(es), c, 1)
         for r in range(NR):
@@ -243,7 +274,7 @@ def pv_fma(typingctx, paddr, p_rs, vaddr, kind, offaddr, n, aaddr, a_rs, R, Dv, 
             # 2 rows x 8 chunks (128 channels: a whole row of D = 128 per pass), or x 4, or x 1
             _pv_row_blocks(b, R_, Dv_, ((128, 8), (64, 4), 1), lambda NR, DG, r0: _pv_passes(
                 b, kind, NR, DG, r0, pa, prs, va, offp, n_, aa, ars, R_, Dv_, x, 16, 2))
-        _switch(b, kd, (KIND_FP16, KIND_I8), emit, KIND_BF16)
+        _switch(b, kd, (KIND_FP16, KIND_I8, KIND_BF16_EO) if NARROW else (KIND_FP16, KIND_I8), emit, KIND_BF16)
 
     def codegen(context, builder, signature, args):
         return _outlined(context, builder, "fia_pv_fma", args, body)

@@ -41,14 +41,14 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from .decode_amx import HAS_AMX, PV_MAX_DV, QK_MAX_CHUNKS, QK_MAX_ROWS, pv_amx, qk_amx
-from .decode_fma import F16C, pv_fma, qk_fma
+from .decode_fma import F16C, KIND_BF16_EO, NARROW, pv_fma, qk_fma
 from .decode_simd import (HAS_DP, KIND_BF16, KIND_F32, KIND_FP16, KIND_I4, KIND_I8, PF_AHEAD, PF_NTA, exp_rows,
                           max_f32, pv_dp, qk_dp, target_has)
 from .decode_vnni import HAS_VNNI, I8_DOT, QK_MAX_D, pv_i8, qk_i8
 
 # the hash of the files whose IR these kernels embed: numba caches on this file's bytes alone
 # (kernel_sources.py; tests/test_kernel_cache.py names the new value when one of them changes)
-SOURCES_SHA = "c0a65177bc4cd154"
+SOURCES_SHA = "1341a7eab1e3183d"
 
 # ip[IP_DP] of a call (kernel choice): the bf16 dp kernels where the CPU has AVX512-BF16 (decode_simd.HAS_DP),
 # the other stream prefetched by the IR kernels (DP_NTA: with prefetchnta, not prefetcht1: session 8, two
@@ -62,6 +62,9 @@ SOURCES_SHA = "c0a65177bc4cd154"
 # the PV request for int8 V measured -4 % and is left out; 2 / 4 / 6 / 8 KB ahead: bf16 and int8 level,
 # fp16 best at 8 KB).
 DP_QK, DP_PV, DP_PREFETCH, DP_I8, DP_NTA, DP_AHEAD, DP_AMX, DP_AMX_ANY = 1, 2, 4, 8, 16, 32, 64, 128
+# DP_EO: the 8-lane FMA kernels (CPUs without AVX-512) widen bf16 K / V in even / odd halves
+# (decode_fma.KIND_BF16_EO): the query rows de-interleaved per 16 channels, PV's accumulators restored at the end
+DP_EO = 256
 # Which prefetch policy pays depends on the CPU (two threads, bench shapes, same code, GB/s):
 # * AMD Zen 5 (session 8): nta + ahead 37-43, t1 alone 33-36 -> "nta+ahead";
 # * Intel Xeon with AMX (sessions 7 and 9): t1 alone 20-22.6, t1 + ahead 19-20, nta 18-21, nta + ahead 8.3-8.9
@@ -82,7 +85,7 @@ if PREFETCH_POLICY not in PREFETCH_POLICIES:     # a typo must not break `import
 # 16 rows +60 %.
 AMX_MIN_ROWS = 8
 DP_FLAGS = ((DP_QK | DP_PV if HAS_DP else 0) | (DP_I8 if HAS_VNNI else 0) | (DP_AMX if HAS_AMX else 0)
-            | PREFETCH_POLICIES[PREFETCH_POLICY])
+            | (DP_EO if NARROW else 0) | PREFETCH_POLICIES[PREFETCH_POLICY])
 AHEAD_BYTES = 8192              # 32 rows of bf16 / fp16 at D = 128, 63 of int8
 
 # fastmath without nnan / ninf: NaN and Inf in the inputs must propagate (SPEC 14)
@@ -704,9 +707,28 @@ def _copy_strided(src, o, st, dst, c, n):
             dst[c + j] = src[o + j * st]
 
 
+@njit(fastmath=FM, cache=True)
+def eo_rows(x, R, D, tmp, back):
+    """x[r, :D] (D % 16 == 0) per 16 channels: the even-indexed ones, then the odd-indexed ones (the layout of
+    decode_fma.KIND_BF16_EO's halves: the query for qk_fma), or back from it (pv_fma's accumulators). tmp:
+    scratch of >= 16 floats in row 0."""
+    for r in range(R):
+        for j in range(0, D, 16):
+            for i in range(16):
+                tmp[0, i] = x[r, j + i]
+            if back:
+                for i in range(8):
+                    x[r, j + 2 * i] = tmp[0, i]
+                    x[r, j + 2 * i + 1] = tmp[0, 8 + i]
+            else:
+                for i in range(8):
+                    x[r, j + i] = tmp[0, 2 * i]
+                    x[r, j + 8 + i] = tmp[0, 2 * i + 1]
+
+
 # what kernel_flags reports (bits)
 (KF_DP_QK, KF_DP_PV, KF_I8_QK, KF_I8_PV, KF_FMA_QK, KF_FMA_PV, KF_PREFETCH, KF_NTA, KF_AHEAD_K, KF_AHEAD_V,
- KF_AMX_QK, KF_AMX_PV) = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+ KF_AMX_QK, KF_AMX_PV, KF_EO_QK, KF_EO_PV) = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 @njit(cache=True, inline="always")
@@ -748,6 +770,12 @@ def kernel_flags(ip):
         f |= KF_FMA_QK
     if (f & KF_DP_PV) == 0 and Dv % 16 == 0 and (v_kind == KIND_BF16 or v_kind == KIND_FP16 or v_kind == KIND_I8):
         f |= KF_FMA_PV
+    # ... bf16 ones widened in even / odd halves on 8 lanes (DP_EO)
+    eo = NARROW and (ip[IP_DP] & DP_EO) != 0
+    if eo and (f & KF_FMA_QK) != 0 and k_kind == KIND_BF16:
+        f |= KF_EO_QK
+    if eo and (f & KF_FMA_PV) != 0 and v_kind == KIND_BF16:
+        f |= KF_EO_PV
     if (ip[IP_DP] & DP_PREFETCH) != 0:             # prefetch the other stream inside the IR kernels
         f |= KF_PREFETCH
         if (ip[IP_DP] & DP_NTA) != 0:              # with prefetchnta (see DP_NTA)
@@ -811,6 +839,8 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
     i8_pv = (kf_ & KF_I8_PV) != 0
     fma_qk = (kf_ & KF_FMA_QK) != 0
     fma_pv = (kf_ & KF_FMA_PV) != 0
+    eo_qk = (kf_ & KF_EO_QK) != 0
+    eo_pv = (kf_ & KF_EO_PV) != 0
     q2i = q2.view(np.int16)
     p2i = p2.view(np.int16)
     for r in range(R):
@@ -866,6 +896,8 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
             t += qv[r, d]
         qs[r] = t
 
+    if eo_qk:                                          # qk_fma's even / odd bf16 halves (decode_fma.KIND_BF16_EO)
+        eo_rows(qv, R, D, tmp, False)
     if i8_qk:
         i8_qk = quant_i16(qv, R, D, q2i, isc[0])
     for r in range(R):
@@ -936,7 +968,8 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
         elif fma_qk or generic is None:
             # (the build without generic paths: numba prunes every other branch when `generic` is None,
             # which keeps the first-call compile time down)
-            qk_fma(qv.ctypes.data, qv.shape[1] * 4, kbuf.ctypes.data, k_kind, koff.ctypes.data, n, s.ctypes.data,
+            qk_fma(qv.ctypes.data, qv.shape[1] * 4, kbuf.ctypes.data, KIND_BF16_EO if eo_qk else k_kind,
+                   koff.ctypes.data, n, s.ctypes.data,
                    s.shape[1], R, D, vbuf.ctypes.data, voff.ctypes.data, n if pf else 0, v_row, v_es)
         elif Dr == 0 and k_kind == KIND_BF16:
             qk_fused(qv, views(kbuf)[1], k_kind, koff, n, s, R, D)
@@ -1034,7 +1067,8 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
                 pv_i8(p2.ctypes.data, p2.shape[1] * 2, vbuf.ctypes.data, voff.ctypes.data, n, acc.ctypes.data,
                       Dv, R, Dv, isc.ctypes.data + 4 * R, kbuf.ctypes.data, knext.ctypes.data, nn, k_row, k_es)
             else:
-                pv_fma(s.ctypes.data, s.shape[1] * 4, vbuf.ctypes.data, v_kind, voff.ctypes.data, n,
+                pv_fma(s.ctypes.data, s.shape[1] * 4, vbuf.ctypes.data, KIND_BF16_EO if eo_pv else v_kind,
+                       voff.ctypes.data, n,
                        acc.ctypes.data, Dv, R, Dv, kbuf.ctypes.data, knext.ctypes.data, nn, k_row, k_es)
         elif v_kind == KIND_BF16:
             pv_fused(s, views(vbuf)[1], v_kind, voff, n, acc, R, Dv)
@@ -1051,6 +1085,8 @@ def _item(w, h, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbu
             x = vx[r]
             for d in range(Dv):
                 acc[r, d] += x
+    if eo_pv:                                          # pv_fma's even / odd channel groups back in order
+        eo_rows(acc, R, Dv, tmp, True)
 
 
 @njit(nogil=True, fastmath=FM, cache=True)
