@@ -143,8 +143,11 @@ def test_explain_names_the_decode_kernels(monkeypatch):
     g = gen(701)
     q = randn((1, 8, 1, 128), g).to(torch.bfloat16)
     k, v = (randn((1, 2, 64, 128), g).to(torch.bfloat16) for _ in range(2))
-    dp = "bf16 dot products (AVX512-BF16)" if K.HAS_DP else "float32 FMA"
+    # without AVX512-BF16: float32 FMAs, bf16 widened in even / odd halves on 8-lane (AVX2) CPUs (DP_EO)
+    dp = ("bf16 dot products (AVX512-BF16)" if K.HAS_DP else
+          "float32 FMA (bf16 in even / odd halves)" if K.NARROW else "float32 FMA")
     kernels = K.DP_FLAGS & ~(K.DP_PREFETCH | K.DP_NTA | K.DP_AHEAD)
+    assert bool(kernels & K.DP_EO) == K.NARROW
     monkeypatch.setattr(K, "DP_FLAGS", kernels | K.PREFETCH_POLICIES["nta+ahead"])
     assert _kernel_line(q, k, v) == f"kernels: QK {dp}, PV {dp}, software prefetch (nta; rows ahead: K, V)"
     assert _kernel_line(q.half(), k.half(), v.half()) == (

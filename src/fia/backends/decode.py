@@ -207,7 +207,7 @@ def _kernel_names(K, launch: "_Launch") -> str:
     """The kernels of one launch in words (K.kernel_flags decides them; fia.explain shows this)."""
     f = int(K.kernel_flags(launch.ip))
 
-    def one(step, dp, i8, fma, amx):
+    def one(step, dp, i8, fma, amx, eo):
         if f & amx:
             return f"{step} bf16 AMX tiles (16-key blocks; the rest AVX512-BF16)"
         if f & dp:
@@ -215,10 +215,10 @@ def _kernel_names(K, launch: "_Launch") -> str:
         if f & i8:
             return f"{step} int16 x int8 dot products ({K.I8_DOT})"
         if f & fma:
-            return f"{step} float32 FMA"
+            return f"{step} float32 FMA" + (" (bf16 in even / odd halves)" if f & eo else "")
         return f"{step} generic float32 loops"
-    parts = [one("QK", K.KF_DP_QK, K.KF_I8_QK, K.KF_FMA_QK, K.KF_AMX_QK),
-             one("PV", K.KF_DP_PV, K.KF_I8_PV, K.KF_FMA_PV, K.KF_AMX_PV)]
+    parts = [one("QK", K.KF_DP_QK, K.KF_I8_QK, K.KF_FMA_QK, K.KF_AMX_QK, K.KF_EO_QK),
+             one("PV", K.KF_DP_PV, K.KF_I8_PV, K.KF_FMA_PV, K.KF_AMX_PV, K.KF_EO_PV)]
     if f & K.KF_PREFETCH and f & (K.KF_DP_QK | K.KF_I8_QK | K.KF_FMA_QK):
         how = ["nta" if f & K.KF_NTA else "t1"]
         ahead = [n for n, b in (("K", K.KF_AHEAD_K), ("V", K.KF_AHEAD_V)) if f & b]
