@@ -2,6 +2,8 @@
 the full path returns, on new data every call, and must never serve a call it does not cover."""
 import threading
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -24,6 +26,7 @@ def fresh(monkeypatch, fia_backend):
         pytest.skip("only the decode backend offers replays")
     monkeypatch.setattr(memo, "_TRIAL", 1 << 30)
     monkeypatch.setattr(replay, "_TABLE", {})
+    monkeypatch.setattr(replay, "_SEEN", set())
     monkeypatch.setattr(replay, "stats", {"admitted": 0, "refused": 0, "replayed": 0})
 
 
@@ -205,3 +208,152 @@ def test_threads_share_a_replay():
     for t in ts:
         t.join()
     assert not bad and replay.stats["replayed"] >= 100
+
+
+# ---------------------------------------------------------------------------------------------- lengths replay
+FUSED = "npu_fused_infer_attention_score"
+LENS_CASES = [  # (B, N, KV_N, Q_S, S, D, dtype, layout, lse)
+    (1, 8, 8, 1, 128, 128, torch.bfloat16, "BNSD", False),
+    (3, 8, 2, 1, 200, 64, torch.float16, "BSH", True),
+    (2, 16, 4, 3, 96, 128, torch.float16, "BNSD", True),
+    (2, 8, 2, 1, 2000, 128, torch.bfloat16, "BSND", False),       # split KV, two threads where there are two
+]
+
+
+def _lengths_sequence(g, B, S, steps):
+    """KV lengths lists a decode loop might pass: growing, random, empty batches, full, one value for every
+    batch, more values than batches, tuples."""
+    out = []
+    for i in range(steps):
+        kind = i % 6
+        if kind == 0:
+            lens = [min(S, 1 + i * 7 + b) for b in range(B)]
+        elif kind == 1:
+            lens = torch.randint(0, S + 1, (B,), generator=g).tolist()
+        elif kind == 2:
+            lens = [0] * B if B > 1 else [S]
+            lens[-1] = S
+        elif kind == 3:
+            lens = [int(torch.randint(1, S + 1, (1,), generator=g))]
+        elif kind == 4:
+            lens = torch.randint(1, S + 1, (B + 2,), generator=g).tolist()
+        else:
+            lens = tuple(torch.randint(1, S + 1, (B,), generator=g).tolist())
+        out.append(lens)
+    return out
+
+
+@pytest.mark.parametrize("case", LENS_CASES, ids=lambda c: f"{c[7]}-{c[6]}-qs{c[3]}-kv{c[4]}-lse{int(c[8])}")
+def test_lengths_replay_equals_full_path_every_call(case):
+    """A decode loop's KV lengths change every call: each call's output and lse equal the full path's bit for
+    bit (new query data every call), and the calls replay."""
+    B, N, KV_N, Q_S, S, D, dt, layout, lse = case
+    kw = dict(num_heads=N, num_key_value_heads=KV_N, input_layout=layout, scale=D ** -0.5, softmax_lse_flag=lse)
+    g = gen(700)
+    _, k0, v0, _, k, v = inputs(700, B, N, KV_N, Q_S, S, D, dt, layout)
+    seq = _lengths_sequence(g, B, S, 24)
+    for step, lens in enumerate(seq):
+        q0, _, _, q, _, _ = inputs(710 + step, B, N, KV_N, Q_S, 1, D, dt, layout)
+        got_out, got_lse = fia.npu_fused_infer_attention_score(q, k, v, actual_seq_lengths_kv=lens, **kw)
+        want_out, want_lse = full_path(fia.npu_fused_infer_attention_score, q, k, v, actual_seq_lengths_kv=lens,
+                                       **kw)
+        assert bits_equal(got_out, want_out) and bits_equal(got_lse, want_lse), (step, lens)
+        L = (list(lens) * B)[:B] if len(lens) == 1 else list(lens)[:B]
+        for b in range(B):                               # against the float64 reference, batch by batch
+            if L[b] == 0:
+                continue
+            ref, _ = naive.attention(q0[b:b + 1].double(), k0[b:b + 1, :, :L[b]].double(),
+                                     v0[b:b + 1, :, :L[b]].double(), scale=D ** -0.5)
+            want = to_layout(ref, layout).to(dt).float()
+            assert torch.allclose(want, got_out.float()[b:b + 1], atol=2e-2, rtol=2e-2), (step, b, lens)
+    # list / tuple and the value count are separate keys; each is admitted on its second call
+    forms = len({(type(x), len(x)) for x in seq})
+    assert replay.stats["admitted"] == forms and replay.stats["refused"] == 0, replay.stats
+    assert replay.stats["replayed"] == len(seq) - 2 * forms, replay.stats
+
+
+def test_lengths_replay_rejects_what_parse_rejects():
+    """After admission, lengths parse would refuse take the full path and raise its error; valid ones still
+    replay."""
+    B, N, KV_N, S, D = 3, 4, 2, 64, 32
+    kw = dict(num_heads=N, num_key_value_heads=KV_N, input_layout="BNSD", scale=0.2)
+    _, _, _, q, k, v = inputs(800, B, N, KV_N, 1, S, D, torch.bfloat16, "BNSD")
+    for lens in ([5, 6, 7], [8, 9, 10], [11, 12, 13]):
+        fia.npu_fused_infer_attention_score(q, k, v, actual_seq_lengths_kv=lens, **kw)
+    assert replay.stats["admitted"] == 1
+    for bad in ([S + 1, 1, 1], [1, -1, 1], [1, 2], [], [1, 2, 3.0], [True, 1, 1]):
+        with pytest.raises(Exception) as got:
+            fia.npu_fused_infer_attention_score(q, k, v, actual_seq_lengths_kv=bad, **kw)
+        with pytest.raises(Exception) as want:
+            full_path(fia.npu_fused_infer_attention_score, q, k, v, actual_seq_lengths_kv=bad, **kw)
+        assert type(got.value) is type(want.value) and str(got.value) == str(want.value), bad
+    n = replay.stats["replayed"]
+    out, _ = fia.npu_fused_infer_attention_score(q, k, v, actual_seq_lengths_kv=[S, 0, 3], **kw)
+    assert replay.stats["replayed"] == n + 1
+    assert bits_equal(out, full_path(fia.npu_fused_infer_attention_score, q, k, v, actual_seq_lengths_kv=[S, 0, 3],
+                                     **kw)[0])
+
+
+def test_incre_lengths_replay():
+    B, N, KV_N, S, D = 2, 8, 2, 96, 64
+    _, _, _, q, k, v = inputs(900, B, N, KV_N, 1, S, D, torch.float16, "BSH")
+    kw = dict(num_heads=N, num_key_value_heads=KV_N, input_layout="BSH", scale_value=0.125)
+    for i in range(6):
+        lens = [10 + 9 * i, 90 - 7 * i]
+        got = fia.npu_incre_flash_attention(q, k, v, actual_seq_lengths=lens, **kw)
+        want = full_path(fia.npu_incre_flash_attention, q, k, v, actual_seq_lengths=lens, **kw)
+        assert bits_equal(got, want), lens
+    assert replay.stats["admitted"] == 1 and replay.stats["replayed"] >= 3, replay.stats
+
+
+def test_lengths_key():
+    q = torch.randn(2, 4, 1, 32).to(torch.float16)
+    k = torch.randn(2, 4, 16, 32).to(torch.float16)
+    base = dict(num_heads=4, input_layout="BNSD", scale=0.5)
+
+    def key(**kw):
+        return replay.key_of(FUSED, q, k, k, dict(base, **kw))
+    assert key(actual_seq_lengths_kv=[3, 4]) == key(actual_seq_lengths_kv=[16, 0]) is not None   # values: per call
+    assert key(actual_seq_lengths_kv=[3, 4]) != key(actual_seq_lengths_kv=(3, 4))               # list vs tuple
+    assert key(actual_seq_lengths_kv=[3, 4]) != key(actual_seq_lengths_kv=[3])                  # count
+    assert key(actual_seq_lengths_kv=[3, 4]) != key()
+    assert key(actual_seq_lengths_kv=[3, 4], actual_seq_lengths=[1, 1]) != key(
+        actual_seq_lengths_kv=[3, 4], actual_seq_lengths=[1, 2])                               # query lengths: values
+    assert key(actual_seq_lengths_kv=[3, 4], kv_padding_size=2) is None                        # left padding
+    assert key(actual_seq_lengths_kv=[3, 4], actual_seq_lengths=[1.0, 1]) is None
+    assert key(actual_seq_lengths=[1, 1]) is None                                               # no KV lengths list
+
+
+def test_relength_equals_a_new_plan():
+    """decode._relength (the lengths replay's re-plan) gives what _plan gives for the new windows."""
+    import dataclasses
+    from fia.backends import decode_kernels as K
+    g = gen(950)
+    for B, N, KV_N, Q_S, S in ((1, 8, 8, 1, 128), (3, 8, 2, 1, 3000), (2, 16, 4, 3, 96), (5, 4, 4, 1, 700)):
+        _, _, _, q, k, v = inputs(951, B, N, KV_N, Q_S, S, 64, torch.bfloat16, "BNSD")
+        p = full_path(fia.api.fused_problem, dict(_fused_defaults(), query=q, key=k, value=v, num_heads=N,
+                                                      num_key_value_heads=KV_N, input_layout="BNSD",
+                                                      actual_seq_lengths_kv=[S] * B))
+        x = DEC._Inputs(p)
+        for threads in (1, 2):
+            plan0 = DEC._plan(p, x, K, threads)
+            for _ in range(6):
+                lens = torch.randint(0, S + 1, (B,), generator=g).tolist()
+                geom = tuple(dataclasses.replace(gm, kv_hi=L) for gm, L in zip(p.geometry, lens))
+                want = DEC._plan(p.evolve(geometry=geom), x, K, threads)
+                got = DEC._relength(plan0, p, geom, x.q.stride(0), 0, K, threads)
+                if want.own[0] is None:
+                    assert got is None
+                    continue
+                for f in ("geo", "wrange", "pwrange", "mp", "obase", "fp"):
+                    assert np.array_equal(getattr(got, f), getattr(want, f)), f
+                assert got.W == want.W
+                a, b = got.own[0], want.own[0]
+                assert np.array_equal(a.ip, b.ip) and np.array_equal(a.work, b.work)
+                assert np.array_equal(a.items, b.items) and a.threads == b.threads and (a.w0, a.w1) == (b.w0, b.w1)
+
+
+def _fused_defaults():
+    import inspect
+    sig = inspect.signature(fia.api.npu_fused_infer_attention_score)
+    return {n: prm.default for n, prm in sig.parameters.items()}

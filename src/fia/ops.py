@@ -324,11 +324,11 @@ def _routed(spec: _OpSpec, pair: Optional[bool] = None):
         rk = replay.key_of(name, query, key, value, kwargs) if pair is not None else None
         if rk is None:
             return fn(query, key, value, **kwargs)
-        res = replay.run(rk, query, key, value)
+        res = replay.run(rk, query, key, value, kwargs)
         if res is not None:
             return res if pair else res[0]
         res, ran = replay.capture(fn, query, key, value, **kwargs)
-        replay.admit(rk, ran, query, key, value, res if pair else (res,))
+        replay.admit(rk, ran, query, key, value, res if pair else (res,), kwargs)
         return res
     return wrapper
 

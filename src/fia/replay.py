@@ -8,7 +8,14 @@ key and value and returns exactly what the full path returns (fresh output tenso
 The key (`key_of`) is computed from the call as written: the entry point, query / key / value metadata
 (dtype, shape, strides; plain CPU tensors only), the keyword arguments passed (names, values, their types,
 the signs of floats), the validation mode, the forced backend and torch's thread count. Calls with any other
-tensor argument, a list (lengths), or anything else are never keyed: they always take the full path.
+tensor argument, or anything else, are never keyed: they always take the full path.
+
+The KV lengths list of a decode loop (`actual_seq_lengths_kv`; the incre entry's `actual_seq_lengths`) changes
+every step, so its values are not in the key, only its type and length: a replay of such a call is a
+*lengths replay*, which checks each call's lengths as parse does (anything it would not accept, or would
+treat otherwise, goes to the full path, which raises the error) and re-plans its launch for them
+(decode._relength). It is offered only for right-padded calls (no padding sizes) and admitted the second
+time its key is seen; tests/test_replay.py compares every call of random length sequences with the full path.
 
 Why replaying skips validation safely: parse reads nothing of such a call but that metadata (the parse memo,
 parse/memo.py, relies on the same fact), so a call equal in all of it to one that passed validation passes
@@ -34,6 +41,13 @@ _Tensor = torch.Tensor
 _SCALARS = frozenset({type(None), bool, int, float, str})
 _ONES, _FLOATS = repeat(1.0), repeat(float)
 _MAX = 64                       # keys held (cleared when full)
+# the KV lengths argument of each entry point (its values vary in a decode loop: see the module docstring)
+_KV_LENGTHS = {"npu_fused_infer_attention_score": "actual_seq_lengths_kv",
+               "npu_prompt_flash_attention": "actual_seq_lengths_kv",
+               "npu_incre_flash_attention": "actual_seq_lengths"}
+_SEQS = (list, tuple)
+_PADDING = ("query_padding_size", "kv_padding_size")
+_SEEN: set = set()              # lengths-replay keys seen once (admitted the second time)
 _NEVER = object()               # a key that does not replay (no replay offered, or the trial differed)
 _TABLE: dict = {}               # key -> replay callable or _NEVER
 
@@ -57,25 +71,38 @@ def key_of(name: str, q, k, v, kw: dict) -> Optional[tuple]:
         return None
     vals = tuple(kw.values())
     types = tuple(map(type, vals))                     # (True is not 1, 1 is not 1.0)
+    lens = None
     if not _SCALARS.issuperset(types):
-        return None
+        lens = _KV_LENGTHS.get(name)
+        lv = kw.get(lens)
+        if type(lv) not in _SEQS or any(kw.get(n) is not None for n in _PADDING):
+            return None
+        # the lengths' count, not their values; another lengths list (the query's) by its values
+        vals = tuple(len(x) if x is lv else (tuple(x) if type(x) in _SEQS else x) for x in vals)
+        for x in vals:
+            if type(x) not in _SCALARS and not (type(x) is tuple and all(type(i) is int for i in x)):
+                return None
     signs = tuple(map(math.copysign, _ONES, compress(vals, map(is_, types, _FLOATS))))     # -0.0 vs 0.0
     try:
         return (name, q.dtype, q.shape, q.stride(), k.dtype, k.shape, k.stride(), v.dtype, v.shape, v.stride(),
-                tuple(kw), vals, types, signs, get_validation_mode(), get_backend(), torch.get_num_threads())
+                tuple(kw), vals, types, signs, get_validation_mode(), get_backend(), torch.get_num_threads(), lens)
     except RuntimeError:                               # a layout without strides
         return None
 
 
-def run(key: tuple, q, k, v):
+def run(key: tuple, q, k, v, kw: dict):
     """The replayed results (out, lse) of a call, or None: take the full path (then `admit`)."""
     r = _TABLE.get(key)
     if r is None or r is _NEVER:
         return None
-    res = r(q, k, v)
-    if res is None:                                    # stale: the full path runs and admits afresh
-        _TABLE.pop(key, None)
-    else:
+    lens = key[-1]
+    if lens is None:
+        res = r(q, k, v)
+        if res is None:                                # stale: the full path runs and admits afresh
+            _TABLE.pop(key, None)
+    else:                                              # (None: lengths it does not serve, or stale tuning)
+        res = r(q, k, v, kw[lens])
+    if res is not None:
         stats["replayed"] += 1
     return res
 
@@ -95,18 +122,36 @@ def note(problem, backend) -> None:
         _last.run = (problem, backend)
 
 
-def admit(key: tuple, ran, q, k, v, results: tuple) -> None:
+def admit(key: tuple, ran, q, k, v, results: tuple, kw: dict) -> None:
     """After a full-path call with this key that `ran` (problem, backend): store the backend's replay when the
-    parse was memoized and a trial reproduces `results` exactly -- the full path's (out, lse), or (out,) for
-    an entry point that returns the output alone."""
-    if ran is None or key in _TABLE:
+    parse was memoized (a lengths replay: when the key is seen the second time) and a trial reproduces
+    `results` exactly -- the full path's (out, lse), or (out,) for an entry point that returns the output
+    alone."""
+    if ran is None:
+        return
+    r = _TABLE.get(key)
+    lens = key[-1]
+    if r is not None and (lens is None or r is _NEVER):
         return
     problem, backend = ran
-    if problem.memo_key is None:                   # not yet memoized: maybe the next time
+    if lens is not None:
+        if r is None and key not in _SEEN:         # a one-off call: no trial (it would run the kernels twice)
+            if len(_SEEN) >= 4 * _MAX:
+                _SEEN.clear()
+            _SEEN.add(key)
+            return
+        if r is not None:                          # admitted, but these lengths were not served: the full path ran
+            return
+    elif problem.memo_key is None:                 # not yet memoized: maybe the next time
         return
     make: Optional[Callable] = getattr(backend, "replay", None)
-    r = make(problem, q, k, v) if make is not None else None
-    got = r(q, k, v) if r is not None else None
+    if make is None:
+        r = None
+    elif lens is None:
+        r = make(problem, q, k, v)
+    else:
+        r = make(problem, q, k, v, lengths=True)
+    got = None if r is None else (r(q, k, v) if lens is None else r(q, k, v, kw[lens]))
     ok = got is not None and _same(got[:len(results)], results)
     if len(_TABLE) >= _MAX:
         _TABLE.clear()
@@ -136,3 +181,4 @@ def _same(got, want: tuple) -> bool:
 
 def clear() -> None:
     _TABLE.clear()
+    _SEEN.clear()

@@ -38,7 +38,7 @@ from typing import List, NamedTuple, Optional
 import numpy as np
 import torch
 
-from ..spec.problem import AttentionProblem
+from ..spec.problem import AttentionProblem, BatchGeometry
 from .base import Backend, BackendResult
 from .prefill import PrefillBackend
 
@@ -184,10 +184,14 @@ class DecodeBackend(Backend):
     def run(self, p: AttentionProblem) -> BackendResult:
         return _run(p, _kernels())
 
-    def replay(self, p: AttentionProblem, query, key, value) -> Optional["_Replay"]:
+    def replay(self, p: AttentionProblem, query, key, value, lengths: bool = False) -> Optional["_Replay"]:
         """fia.replay's prepared launch of p's call (query, key, value as passed), or None where the call
-        reads more than those three tensors' data (or writes through the shared epilogue's Python)."""
-        if (p.memo_key is None or p.kv.kind != "dense" or p.antiquant is not None or p.pse is not None
+        reads more than those three tensors' data (or writes through the shared epilogue's Python).
+        lengths: the call's KV lengths list varies between the calls it will serve (right padding: every
+        batch's keys from position 0); the launch is then re-planned per lengths (_relength)."""
+        if lengths and any(g.kv_lo != 0 or g.prefix != 0 for g in p.geometry):
+            return None
+        if ((p.memo_key is None and not lengths) or p.kv.kind != "dense" or p.antiquant is not None or p.pse is not None
                 or p.mask.user_mask is not None or p.query_rope is not None or p.query_dequant is not None
                 or p.prefix is not None or p.sink is not None or p.out_quant is not None or p.full_quant is not None
                 or p.kv.key_rope is not None or p.packed or min(query.numel(), key.numel(), value.numel()) == 0
@@ -200,7 +204,7 @@ class DecodeBackend(Backend):
         plan = _plan_of(p, x, K)
         if plan.prefix is not None or len(plan.own) != 1 or plan.own[0] is None:
             return None
-        return _Replay(p, x, plan, K, (query, key, value))
+        return _Replay(p, x, plan, K, (query, key, value), lengths)
 
 
 def _kernel_names(K, launch: "_Launch") -> str:
@@ -356,8 +360,12 @@ def _plan_of(p: AttentionProblem, x: _Inputs, K) -> _Plan:
 
 def _plan_key(memo_key: int, K) -> tuple:
     """What a memoized plan depends on besides the problem's metadata: threads and the tuning constants."""
-    return (memo_key, max(1, torch.get_num_threads()), MIN_SPLIT, ITEMS_PER_THREAD, CHUNK_FLOATS, PARALLEL_MIN_WORK,
-            PREFIX_ROWS, K.DP_FLAGS)
+    return (memo_key,) + _tuning(K)
+
+
+def _tuning(K) -> tuple:
+    return (max(1, torch.get_num_threads()), MIN_SPLIT, ITEMS_PER_THREAD, CHUNK_FLOATS, PARALLEL_MIN_WORK, PREFIX_ROWS,
+            K.DP_FLAGS)
 
 
 def _plan(p: AttentionProblem, x: _Inputs, K, threads: int) -> _Plan:
@@ -447,13 +455,14 @@ def _plan(p: AttentionProblem, x: _Inputs, K, threads: int) -> _Plan:
                  tuple(_view_strides(shape, perm)), out_dtype, out_bytes)
 
 
-def _geometry(p: AttentionProblem, P: int, q_sb: int, qr_sb: int):
+def _geometry(p: AttentionProblem, P: int, q_sb: int, qr_sb: int, geometry=None):
     """geo [GEO_LEN, B] (GEO_* rows), own keys [B] and their first position [B], all own keys: one pass
-    over the batches. q_sb / qr_sb: elements between batches (packed: between rows, times q_offset)."""
+    over the batches (p's, or `geometry` instead). q_sb / qr_sb: elements between batches (packed: between
+    rows, times q_offset)."""
     band = p.mask.band_for if p.mask.kind == "band" else None
     packed = p.packed
     rows = []
-    for b, g in enumerate(p.geometry):
+    for b, g in enumerate(p.geometry if geometry is None else geometry):
         s1, s2 = g.s1, g.s2
         pre, nxt = band(s1, s2) if band is not None else (0, 0)
         r = g.q_offset if packed else b
@@ -469,13 +478,33 @@ def _launch_plan(src: "_Source", ip: list, K, work: np.ndarray, w0: int, w1: int
     the order the threads take them. Threaded: longest first; small work (keys x H x R < PARALLEL_MIN_WORK)
     stays on the calling thread."""
     src.ints(ip, K)
+    items, t = _schedule(work, H, R, threads, keys)
+    return _Launch(np.array(ip, np.int64), work, w0, w1, items, t, src.generic())
+
+
+def _schedule(work: np.ndarray, H: int, R: int, threads: int, keys: int):
+    """(items in the order the threads take them, threads) of work entries x H KV heads of R rows."""
     n = work.shape[1] * H
     t = min(threads, n)
     if t <= 1 or keys * H * R < PARALLEL_MIN_WORK:
-        items, t = np.arange(n, dtype=np.int64), 1
-    else:
-        items = np.argsort(-np.repeat(work[2] - work[1], H), kind="stable").astype(np.int64)
-    return _Launch(np.array(ip, np.int64), work, w0, w1, items, t, src.generic())
+        return np.arange(n, dtype=np.int64), 1
+    return np.argsort(-np.repeat(work[2] - work[1], H), kind="stable").astype(np.int64), t
+
+
+def _relength(plan: _Plan, p: AttentionProblem, geometry: tuple, q_sb: int, qr_sb: int, K, threads: int):
+    """plan (p's: one dense KV source serving every work entry, no shared prefix) for other per-batch windows
+    of the same metadata -- what _plan gives for p with `geometry` instead of p.geometry, rebuilding only the
+    parts the windows shape: geometry rows, work split, item schedule (tests/test_replay.py compares the
+    two). None where no work entry is left (the full path handles it)."""
+    geo, lens, kv_lo, keys = _geometry(p, 0, q_sb, qr_sb, geometry)
+    launch = plan.own[0]
+    work, wrange = K.split_work(lens, kv_lo, p.KV_N, threads, int(launch.ip[K.IP_C]), MIN_SPLIT, ITEMS_PER_THREAD)
+    W = work.shape[1]
+    if W == 0:
+        return None
+    items, t = _schedule(work, p.KV_N, p.G * p.Q_S, threads, keys)
+    return plan._replace(geo=geo, W=W, wrange=wrange, pwrange=wrange[:, :1],
+                         own=[launch._replace(work=work, w0=0, w1=W, items=items, threads=t)])
 
 
 def _out_layout(p: AttentionProblem):
@@ -553,11 +582,18 @@ class _Replay:
     """A call's launch prepared once (fia.replay): the plan, the buffer table with the query, key and value
     slots refilled from each call's tensors (same metadata: same spans, offsets of the canonical views from
     the tensors passed), the output allocated directly in its final layout (the epilogue's result for this
-    problem). Returns (out, lse) as the entry point's full path does, or None when the plan went stale."""
+    problem). Returns (out, lse) as the entry point's full path does, or None when the plan went stale.
 
-    def __init__(self, p: AttentionProblem, x: _Inputs, plan: _Plan, K, tensors: tuple):
+    With `lengths` the calls it serves pass KV lengths that vary (a decode loop): each call's lengths are
+    checked as parse checks them (1 or >= B values in [0, KV_S]; anything else: None, and the full path
+    raises its error) and its plan is the admitting one re-planned for them (_relength, a few per replay
+    kept)."""
+
+    _MAX_LENGTHS = 32               # plans kept per lengths replay (cleared when full)
+
+    def __init__(self, p: AttentionProblem, x: _Inputs, plan: _Plan, K, tensors: tuple, lengths: bool = False):
         src = x.sources[0]
-        self.plan, self.launch, self.memo_key = plan, plan.own[0], p.memo_key
+        self.memo_key = p.memo_key
         self.bufs = x.addresses(K)                  # [2, BUF_LEN]: spans fixed by the metadata
         src.addresses(self.bufs, K)
         self.slots = (K.BUF_Q, K.BUF_K, K.BUF_V)
@@ -567,20 +603,65 @@ class _Replay:
         # _Inputs' dummies only (no antiquant, no sink here): no tensor of the admitting call is kept
         self.kchan, self.factors = x.kchan, (x.sink, x.vcs, x.vco)
         self.tbls = (src.tbl, src.ktok.tbl, src.vtok.tbl)
-        self.parts = (plan.W, p.KV_N, p.G * p.Q_S, p.Dv)
         from ..finalize import expected_outputs
         self.out_shape, _, lse_shape = expected_outputs(p)      # the epilogue's output = the plan's, contiguous
         self.want_lse, self.lse_shape = p.want_lse, lse_shape
         # unwanted lse: one scratch per replay (merge only writes it: concurrent calls may share it)
         self.scratch = None if p.want_lse else _lse_target(p.lse_shape(), False)
-        lse_bytes = math.prod(lse_shape) * 4 if p.want_lse else self.scratch[1][1]
-        self.dims = np.array(self.parts + (plan.out_bytes, lse_bytes), np.int64)   # (attend_merge)
+        self.lse_bytes = math.prod(lse_shape) * 4 if p.want_lse else self.scratch[1][1]
+        self.rows = (p.KV_N, p.G * p.Q_S, p.Dv)
+        self.prepared = self._prepare(plan)
+        self.lengths = None
+        if lengths:                                 # what re-planning reads: metadata only (the tensors dropped)
+            self.lengths = {}
+            self.p = p.evolve(query=None, kv=None)
+            self.tuning = _tuning(K)
+            self.B, self.S = p.B, p.KV_S
+            self.qsb = (x.q.stride(0), 0)
+            self.plan = plan
 
-    def __call__(self, q, k, v):
-        K = _K
-        if _PLANS.get(_plan_key(self.memo_key, K)) is not self.plan:
+    def _prepare(self, plan: _Plan) -> tuple:
+        parts = (plan.W,) + self.rows
+        return plan, plan.own[0], parts, np.array(parts + (plan.out_bytes, self.lse_bytes), np.int64)
+
+    def _for_lengths(self, lens, K) -> Optional[tuple]:
+        """The prepared plan for a call's KV lengths, or None (invalid lengths, stale tuning, no work)."""
+        if type(lens) not in (list, tuple) or _tuning(K) != self.tuning:
             return None
-        plan, launch = self.plan, self.launch
+        B, S = self.B, self.S
+        n = len(lens)
+        if n == 1:
+            lens = tuple(lens) * B
+        elif n >= B:
+            lens = tuple(lens[:B])
+        else:
+            return None
+        for v in lens:
+            if type(v) is not int or v < 0 or v > S:
+                return None
+        got = self.lengths.get(lens)
+        if got is None:
+            geometry = tuple(BatchGeometry(g.q_rows, g.q_lo, g.q_hi, g.kv_rows, 0, v, 0, g.q_offset, g.kv_offset)
+                             for g, v in zip(self.p.geometry, lens))
+            plan = _relength(self.plan, self.p, geometry, *self.qsb, K, self.tuning[0])
+            if plan is None:
+                return None
+            if len(self.lengths) >= self._MAX_LENGTHS:
+                self.lengths.clear()
+            got = self.lengths[lens] = self._prepare(plan)
+        return got
+
+    def __call__(self, q, k, v, lens=None):
+        K = _K
+        if self.lengths is not None:
+            prepared = self._for_lengths(lens, K)
+            if prepared is None:
+                return None
+        else:
+            if _PLANS.get(_plan_key(self.memo_key, K)) is not self.prepared[0]:
+                return None
+            prepared = self.prepared
+        plan, launch, parts, dims = prepared
         bufs = self.bufs.copy()
         s, d = self.slots, self.deltas
         bufs[0, s[0]], bufs[0, s[1]], bufs[0, s[2]] = q.data_ptr() + d[0], k.data_ptr() + d[1], v.data_ptr() + d[2]
@@ -592,13 +673,13 @@ class _Replay:
         if launch.threads == 1:                     # attend + merge in one dispatch
             K.attend_merge(launch.items, launch.ip, plan.fp, plan.geo, launch.work, self.tbls[0], bufs, self.kchan,
                            self.tbls[1], self.tbls[2], launch.generic, plan.mp, plan.wrange, plan.pwrange,
-                           *self.factors, plan.obase, self.dims, out.data_ptr(), lse_addr[0])
+                           *self.factors, plan.obase, dims, out.data_ptr(), lse_addr[0])
             return out, lse
-        parts = _partials(*self.parts)
+        po = _partials(*parts)
         _launch(K.attend_items, launch.items, launch.threads,
                 (launch.ip, plan.fp, plan.geo, launch.work, self.tbls[0], bufs, self.kchan, self.tbls[1],
-                 self.tbls[2], *parts, launch.generic))
-        _merge(K, plan, self.factors, out, lse_addr, parts, parts)
+                 self.tbls[2], *po, launch.generic))
+        _merge(K, plan, self.factors, out, lse_addr, po, po)
         return out, lse
 
 
