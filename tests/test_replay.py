@@ -341,7 +341,7 @@ def test_relength_equals_a_new_plan():
                 lens = torch.randint(0, S + 1, (B,), generator=g).tolist()
                 geom = tuple(dataclasses.replace(gm, kv_hi=L) for gm, L in zip(p.geometry, lens))
                 want = DEC._plan(p.evolve(geometry=geom), x, K, threads)
-                got = DEC._relength(plan0, p, geom, x.q.stride(0), 0, K, threads)
+                got = DEC._relength(plan0, p, np.array(lens, np.int64), K, threads)
                 if want.own[0] is None:
                     assert got is None
                     continue

@@ -38,7 +38,7 @@ from typing import List, NamedTuple, Optional
 import numpy as np
 import torch
 
-from ..spec.problem import AttentionProblem, BatchGeometry
+from ..spec.problem import AttentionProblem
 from .base import Backend, BackendResult
 from .prefill import PrefillBackend
 
@@ -189,7 +189,7 @@ class DecodeBackend(Backend):
         reads more than those three tensors' data (or writes through the shared epilogue's Python).
         lengths: the call's KV lengths list varies between the calls it will serve (right padding: every
         batch's keys from position 0); the launch is then re-planned per lengths (_relength)."""
-        if lengths and any(g.kv_lo != 0 or g.prefix != 0 for g in p.geometry):
+        if lengths and (p.mask.kind == "band" or any(g.kv_lo != 0 or g.prefix != 0 for g in p.geometry)):
             return None
         if ((p.memo_key is None and not lengths) or p.kv.kind != "dense" or p.antiquant is not None or p.pse is not None
                 or p.mask.user_mask is not None or p.query_rope is not None or p.query_dequant is not None
@@ -455,14 +455,13 @@ def _plan(p: AttentionProblem, x: _Inputs, K, threads: int) -> _Plan:
                  tuple(_view_strides(shape, perm)), out_dtype, out_bytes)
 
 
-def _geometry(p: AttentionProblem, P: int, q_sb: int, qr_sb: int, geometry=None):
+def _geometry(p: AttentionProblem, P: int, q_sb: int, qr_sb: int):
     """geo [GEO_LEN, B] (GEO_* rows), own keys [B] and their first position [B], all own keys: one pass
-    over the batches (p's, or `geometry` instead). q_sb / qr_sb: elements between batches (packed: between
-    rows, times q_offset)."""
+    over the batches. q_sb / qr_sb: elements between batches (packed: between rows, times q_offset)."""
     band = p.mask.band_for if p.mask.kind == "band" else None
     packed = p.packed
     rows = []
-    for b, g in enumerate(p.geometry if geometry is None else geometry):
+    for b, g in enumerate(p.geometry):
         s1, s2 = g.s1, g.s2
         pre, nxt = band(s1, s2) if band is not None else (0, 0)
         r = g.q_offset if packed else b
@@ -491,12 +490,17 @@ def _schedule(work: np.ndarray, H: int, R: int, threads: int, keys: int):
     return np.argsort(-np.repeat(work[2] - work[1], H), kind="stable").astype(np.int64), t
 
 
-def _relength(plan: _Plan, p: AttentionProblem, geometry: tuple, q_sb: int, qr_sb: int, K, threads: int):
-    """plan (p's: one dense KV source serving every work entry, no shared prefix) for other per-batch windows
-    of the same metadata -- what _plan gives for p with `geometry` instead of p.geometry, rebuilding only the
-    parts the windows shape: geometry rows, work split, item schedule (tests/test_replay.py compares the
-    two). None where no work entry is left (the full path handles it)."""
-    geo, lens, kv_lo, keys = _geometry(p, 0, q_sb, qr_sb, geometry)
+def _relength(plan: _Plan, p: AttentionProblem, kv_lens: np.ndarray, K, threads: int):
+    """plan (p's: one dense KV source serving every work entry, right-padded keys, no shared prefix, no band)
+    for other KV lengths kv_lens [B] of the same metadata -- what _plan gives for p with those lengths,
+    rebuilding only the parts they shape: the geometry's key count row (as _geometry: s2 = the batch's keys),
+    the own keys, work split, item schedule (tests/test_replay.py compares the two). None where no work entry
+    is left (the full path handles it)."""
+    geo = plan.geo.copy()
+    geo[K.GEO_S2] = kv_lens
+    lens = np.where(geo[K.GEO_QHI] > geo[K.GEO_QLO], kv_lens, 0)       # batches without query rows: no keys
+    kv_lo = np.zeros_like(lens)
+    keys = int(lens.sum())
     launch = plan.own[0]
     work, wrange = K.split_work(lens, kv_lo, p.KV_N, threads, int(launch.ip[K.IP_C]), MIN_SPLIT, ITEMS_PER_THREAD)
     W = work.shape[1]
@@ -589,7 +593,7 @@ class _Replay:
     raises its error) and its plan is the admitting one re-planned for them (_relength, a few per replay
     kept)."""
 
-    _MAX_LENGTHS = 32               # plans kept per lengths replay (cleared when full)
+    _MAX_LENGTHS = 32               # plans kept per lengths replay (the oldest dropped)
 
     def __init__(self, p: AttentionProblem, x: _Inputs, plan: _Plan, K, tensors: tuple, lengths: bool = False):
         src = x.sources[0]
@@ -617,7 +621,6 @@ class _Replay:
             self.p = p.evolve(query=None, kv=None)
             self.tuning = _tuning(K)
             self.B, self.S = p.B, p.KV_S
-            self.qsb = (x.q.stride(0), 0)
             self.plan = plan
 
     def _prepare(self, plan: _Plan) -> tuple:
@@ -641,13 +644,11 @@ class _Replay:
                 return None
         got = self.lengths.get(lens)
         if got is None:
-            geometry = tuple(BatchGeometry(g.q_rows, g.q_lo, g.q_hi, g.kv_rows, 0, v, 0, g.q_offset, g.kv_offset)
-                             for g, v in zip(self.p.geometry, lens))
-            plan = _relength(self.plan, self.p, geometry, *self.qsb, K, self.tuning[0])
+            plan = _relength(self.plan, self.p, np.array(lens, np.int64), K, self.tuning[0])
             if plan is None:
                 return None
-            if len(self.lengths) >= self._MAX_LENGTHS:
-                self.lengths.clear()
+            if len(self.lengths) >= self._MAX_LENGTHS:    # (one at a time: clearing 32 plans cost ~0.5 ms)
+                self.lengths.pop(next(iter(self.lengths)), None)
             got = self.lengths[lens] = self._prepare(plan)
         return got
 
