@@ -322,6 +322,14 @@ def test_lengths_key():
     assert key(actual_seq_lengths_kv=[3, 4], kv_padding_size=2) is None                        # left padding
     assert key(actual_seq_lengths_kv=[3, 4], actual_seq_lengths=[1.0, 1]) is None
     assert key(actual_seq_lengths=[1, 1]) is None                                               # no KV lengths list
+    bt = torch.zeros(2, 4, dtype=torch.int32)
+    paged = key(actual_seq_lengths_kv=[3, 4], block_table=bt, block_size=16)
+    assert paged is not None and paged == key(actual_seq_lengths_kv=[9, 1], block_table=bt + 3, block_size=16)
+    assert paged != key(actual_seq_lengths_kv=[3, 4], block_table=torch.zeros(2, 5, dtype=torch.int32), block_size=16)
+    assert paged != key(actual_seq_lengths_kv=[3, 4], block_table=bt.long(), block_size=16)
+    assert key(block_table=bt, block_size=16) is None                                          # no lengths list
+    assert key(actual_seq_lengths_kv=[3, 4], block_table=torch.nn.Parameter(bt.float(), False)) is None
+    assert key(actual_seq_lengths_kv=[3, 4], atten_mask=bt.bool()) is None                     # other tensors
 
 
 def test_relength_equals_a_new_plan():
@@ -357,3 +365,45 @@ def _fused_defaults():
     import inspect
     sig = inspect.signature(fia.api.npu_fused_infer_attention_score)
     return {n: prm.default for n, prm in sig.parameters.items()}
+
+
+@pytest.mark.parametrize("dims", [3, 4])
+def test_paged_lengths_replay_equals_full_path_every_call(dims):
+    """A paged decode loop: new lengths and a new block table (other ids, in other order) every call; each
+    call equals the full path bit for bit and the calls replay."""
+    B, N, KV_N, D, bs, nb, mb = 3, 8, 2, 64, 16, 40, 6
+    g = gen(1000)
+    layout = "BNSD" if dims == 4 else "BSH"
+    shape = (nb, KV_N, bs, D) if dims == 4 else (nb, bs, KV_N * D)
+    kc, vc = randn(shape, g, torch.bfloat16), randn(shape, g, torch.bfloat16)
+    kw = dict(num_heads=N, num_key_value_heads=KV_N, input_layout=layout, scale=0.125, block_size=bs,
+              softmax_lse_flag=True)
+    seq = [lens for lens in _lengths_sequence(g, B, mb * bs, 16) if type(lens) is list and len(lens) == B]
+    for step, lens in enumerate(seq):
+        q0 = randn((B, N, 1, D), g, torch.bfloat16)
+        q = to_layout(q0, layout)
+        bt = torch.randperm(nb, generator=g)[:B * mb].reshape(B, mb).to(torch.int32)
+        got = fia.npu_fused_infer_attention_score(q, kc, vc, block_table=bt, actual_seq_lengths_kv=lens, **kw)
+        want = full_path(fia.npu_fused_infer_attention_score, q, kc, vc, block_table=bt, actual_seq_lengths_kv=lens,
+                         **kw)
+        assert bits_equal(got[0], want[0]) and bits_equal(got[1], want[1]), (step, lens)
+    assert replay.stats["admitted"] == 1 and replay.stats["refused"] == 0, replay.stats
+    assert replay.stats["replayed"] == len(seq) - 2, replay.stats
+    # a block id outside the pool in a used column: parse's error; in an unused column: no error, replayed
+    lens = [bs * 2, 1, bs]
+    bt = torch.randperm(nb, generator=g)[:B * mb].reshape(B, mb).to(torch.int32)
+    bad = bt.clone()
+    bad[1, 0] = nb
+    with pytest.raises(fia.FiaInputError) as got:
+        fia.npu_fused_infer_attention_score(q, kc, vc, block_table=bad, actual_seq_lengths_kv=lens, **kw)
+    with pytest.raises(fia.FiaInputError) as want:
+        full_path(fia.npu_fused_infer_attention_score, q, kc, vc, block_table=bad, actual_seq_lengths_kv=lens, **kw)
+    assert str(got.value) == str(want.value)
+    bad = bt.clone()
+    bad[1, 1] = -5                                       # batch 1 uses one block
+    n = replay.stats["replayed"]
+    got = fia.npu_fused_infer_attention_score(q, kc, vc, block_table=bad, actual_seq_lengths_kv=lens, **kw)
+    want = full_path(fia.npu_fused_infer_attention_score, q, kc, vc, block_table=bad, actual_seq_lengths_kv=lens, **kw)
+    assert bits_equal(got[0], want[0]) and replay.stats["replayed"] == n + 1
+    with pytest.raises(fia.FiaInputError):               # lengths past the table's columns
+        fia.npu_fused_infer_attention_score(q, kc, vc, block_table=bt, actual_seq_lengths_kv=[mb * bs + 1, 1, 1], **kw)

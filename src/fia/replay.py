@@ -16,6 +16,8 @@ every step, so its values are not in the key, only its type and length: a replay
 treat otherwise, goes to the full path, which raises the error) and re-plans its launch for them
 (decode._relength). It is offered only for right-padded calls (no padding sizes) and admitted the second
 time its key is seen; tests/test_replay.py compares every call of random length sequences with the full path.
+A paged call's block table (a plain CPU tensor) is keyed by its metadata: its block ids are data, range-checked
+on every call as parse checks them (an id out of range: the full path, which raises the error).
 
 Why replaying skips validation safely: parse reads nothing of such a call but that metadata (the parse memo,
 parse/memo.py, relies on the same fact), so a call equal in all of it to one that passed validation passes
@@ -77,11 +79,23 @@ def key_of(name: str, q, k, v, kw: dict) -> Optional[tuple]:
         lv = kw.get(lens)
         if type(lv) not in _SEQS or any(kw.get(n) is not None for n in _PADDING):
             return None
-        # the lengths' count, not their values; another lengths list (the query's) by its values
-        vals = tuple(len(x) if x is lv else (tuple(x) if type(x) in _SEQS else x) for x in vals)
+        bt = kw.get("block_table")
+        keyed = []
         for x in vals:
-            if type(x) not in _SCALARS and not (type(x) is tuple and all(type(i) is int for i in x)):
+            if x is lv:                                # the lengths' count, not their values
+                x = len(x)
+            elif type(x) in _SEQS:                     # another lengths list (the query's): its values
+                x = tuple(x)
+                if not all(type(i) is int for i in x):
+                    return None
+            elif bt is not None and x is bt:           # a paged cache's table: its metadata (ids: per call)
+                if type(x) is not _Tensor or not x.is_cpu or x.layout != torch.strided:
+                    return None
+                x = (x.dtype, x.shape, x.stride())
+            elif type(x) not in _SCALARS:
                 return None
+            keyed.append(x)
+        vals = tuple(keyed)
     signs = tuple(map(math.copysign, _ONES, compress(vals, map(is_, types, _FLOATS))))     # -0.0 vs 0.0
     try:
         return (name, q.dtype, q.shape, q.stride(), k.dtype, k.shape, k.stride(), v.dtype, v.shape, v.stride(),
@@ -101,7 +115,7 @@ def run(key: tuple, q, k, v, kw: dict):
         if res is None:                                # stale: the full path runs and admits afresh
             _TABLE.pop(key, None)
     else:                                              # (None: lengths it does not serve, or stale tuning)
-        res = r(q, k, v, kw[lens])
+        res = r(q, k, v, kw[lens], kw.get("block_table"))
     if res is not None:
         stats["replayed"] += 1
     return res
@@ -151,7 +165,7 @@ def admit(key: tuple, ran, q, k, v, results: tuple, kw: dict) -> None:
         r = make(problem, q, k, v)
     else:
         r = make(problem, q, k, v, lengths=True)
-    got = None if r is None else (r(q, k, v) if lens is None else r(q, k, v, kw[lens]))
+    got = None if r is None else (r(q, k, v) if lens is None else r(q, k, v, kw[lens], kw.get("block_table")))
     ok = got is not None and _same(got[:len(results)], results)
     if len(_TABLE) >= _MAX:
         _TABLE.clear()

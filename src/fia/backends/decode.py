@@ -191,7 +191,8 @@ class DecodeBackend(Backend):
         batch's keys from position 0); the launch is then re-planned per lengths (_relength)."""
         if lengths and (p.mask.kind == "band" or any(g.kv_lo != 0 or g.prefix != 0 for g in p.geometry)):
             return None
-        if ((p.memo_key is None and not lengths) or p.kv.kind != "dense" or p.antiquant is not None or p.pse is not None
+        if ((p.memo_key is None and not lengths) or p.kv.kind not in (("dense", "paged") if lengths else ("dense",))
+                or p.antiquant is not None or p.pse is not None
                 or p.mask.user_mask is not None or p.query_rope is not None or p.query_dequant is not None
                 or p.prefix is not None or p.sink is not None or p.out_quant is not None or p.full_quant is not None
                 or p.kv.key_rope is not None or p.packed or min(query.numel(), key.numel(), value.numel()) == 0
@@ -614,6 +615,8 @@ class _Replay:
         self.scratch = None if p.want_lse else _lse_target(p.lse_shape(), False)
         self.lse_bytes = math.prod(lse_shape) * 4 if p.want_lse else self.scratch[1][1]
         self.rows = (p.KV_N, p.G * p.Q_S, p.Dv)
+        # paged (lengths replays only): block size, blocks in the pool -- each call's table is range-checked
+        self.paged = (p.kv.block_size, p.kv.key.shape[0]) if p.kv.kind == "paged" else None
         self.prepared = self._prepare(plan)
         self.lengths = None
         if lengths:                                 # what re-planning reads: metadata only (the tensors dropped)
@@ -623,9 +626,24 @@ class _Replay:
             self.B, self.S = p.B, p.KV_S
             self.plan = plan
 
-    def _prepare(self, plan: _Plan) -> tuple:
+    def _prepare(self, plan: _Plan, lens: tuple = ()) -> tuple:
         parts = (plan.W,) + self.rows
-        return plan, plan.own[0], parts, np.array(parts + (plan.out_bytes, self.lse_bytes), np.int64)
+        used = None                                 # paged: the table columns each batch uses
+        if self.paged is not None:
+            bs = self.paged[0]
+            used = np.array([(n + bs - 1) // bs for n in lens], np.int64)
+        return plan, plan.own[0], parts, np.array(parts + (plan.out_bytes, self.lse_bytes), np.int64), used
+
+    def _table(self, table, used: np.ndarray) -> Optional[np.ndarray]:
+        """A paged call's block table as the kernels read it (int64 [B, MB]), or None where parse would refuse
+        it (an id outside the pool among the used columns: the full path raises the error)."""
+        if type(table) is not torch.Tensor:
+            return None
+        from ..parse.paged import bad_block         # (the same check as parse's, on the same host array)
+        host = table.numpy()
+        if bad_block(host, used, self.paged[1]) is not None:
+            return None
+        return host.astype(np.int64)
 
     def _for_lengths(self, lens, K) -> Optional[tuple]:
         """The prepared plan for a call's KV lengths, or None (invalid lengths, stale tuning, no work)."""
@@ -649,20 +667,25 @@ class _Replay:
                 return None
             if len(self.lengths) >= self._MAX_LENGTHS:    # (one at a time: clearing 32 plans cost ~0.5 ms)
                 self.lengths.pop(next(iter(self.lengths)), None)
-            got = self.lengths[lens] = self._prepare(plan)
+            got = self.lengths[lens] = self._prepare(plan, lens)
         return got
 
-    def __call__(self, q, k, v, lens=None):
+    def __call__(self, q, k, v, lens=None, table=None):
         K = _K
+        tbl = self.tbls[0]
         if self.lengths is not None:
             prepared = self._for_lengths(lens, K)
             if prepared is None:
                 return None
+            if self.paged is not None:
+                tbl = self._table(table, prepared[4])
+                if tbl is None:
+                    return None
         else:
             if _PLANS.get(_plan_key(self.memo_key, K)) is not self.prepared[0]:
                 return None
             prepared = self.prepared
-        plan, launch, parts, dims = prepared
+        plan, launch, parts, dims, _ = prepared
         bufs = self.bufs.copy()
         s, d = self.slots, self.deltas
         bufs[0, s[0]], bufs[0, s[1]], bufs[0, s[2]] = q.data_ptr() + d[0], k.data_ptr() + d[1], v.data_ptr() + d[2]
@@ -672,13 +695,13 @@ class _Replay:
         else:
             lse, lse_addr = torch.empty(0, dtype=torch.float32), self.scratch[1]
         if launch.threads == 1:                     # attend + merge in one dispatch
-            K.attend_merge(launch.items, launch.ip, plan.fp, plan.geo, launch.work, self.tbls[0], bufs, self.kchan,
+            K.attend_merge(launch.items, launch.ip, plan.fp, plan.geo, launch.work, tbl, bufs, self.kchan,
                            self.tbls[1], self.tbls[2], launch.generic, plan.mp, plan.wrange, plan.pwrange,
                            *self.factors, plan.obase, dims, out.data_ptr(), lse_addr[0])
             return out, lse
         po = _partials(*parts)
         _launch(K.attend_items, launch.items, launch.threads,
-                (launch.ip, plan.fp, plan.geo, launch.work, self.tbls[0], bufs, self.kchan, self.tbls[1],
+                (launch.ip, plan.fp, plan.geo, launch.work, tbl, bufs, self.kchan, self.tbls[1],
                  self.tbls[2], *po, launch.generic))
         _merge(K, plan, self.factors, out, lse_addr, po, po)
         return out, lse
