@@ -407,3 +407,22 @@ def test_paged_lengths_replay_equals_full_path_every_call(dims):
     assert bits_equal(got[0], want[0]) and replay.stats["replayed"] == n + 1
     with pytest.raises(fia.FiaInputError):               # lengths past the table's columns
         fia.npu_fused_infer_attention_score(q, kc, vc, block_table=bt, actual_seq_lengths_kv=[mb * bs + 1, 1, 1], **kw)
+
+
+def test_stale_lengths_replay_is_replaced(monkeypatch):
+    """Tuning changed after admission: the lengths replay gives way (full path, a new plan) and a new one is
+    admitted; every call still equals the full path."""
+    B, N, KV_N, S, D = 2, 4, 2, 1500, 64
+    kw = dict(num_heads=N, num_key_value_heads=KV_N, input_layout="BNSD", scale=0.125)
+    _, _, _, q, k, v = inputs(1100, B, N, KV_N, 1, S, D, torch.bfloat16, "BNSD")
+    for i in range(3):
+        fia.npu_fused_infer_attention_score(q, k, v, actual_seq_lengths_kv=[S - i, 700 + i], **kw)
+    assert replay.stats["admitted"] == 1 and replay.stats["replayed"] == 1
+    monkeypatch.setattr(DEC, "MIN_SPLIT", 8)       # another split: the replay is stale
+    monkeypatch.setattr(DEC, "ITEMS_PER_THREAD", 64)
+    for i in range(4):
+        lens = [S - 10 * i, 600 + i]
+        got, _ = fia.npu_fused_infer_attention_score(q, k, v, actual_seq_lengths_kv=lens, **kw)
+        want, _ = full_path(fia.npu_fused_infer_attention_score, q, k, v, actual_seq_lengths_kv=lens, **kw)
+        assert bits_equal(got, want), lens
+    assert replay.stats["admitted"] == 2 and replay.stats["replayed"] == 1 + 3, replay.stats   # re-admitted at once

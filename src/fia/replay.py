@@ -110,14 +110,11 @@ def run(key: tuple, q, k, v, kw: dict):
     if r is None or r is _NEVER:
         return None
     lens = key[-1]
-    if lens is None:
-        res = r(q, k, v)
-        if res is None:                                # stale: the full path runs and admits afresh
-            _TABLE.pop(key, None)
-    else:                                              # (None: lengths it does not serve, or stale tuning)
-        res = r(q, k, v, kw[lens], kw.get("block_table"))
+    res = r(q, k, v) if lens is None else r(q, k, v, kw[lens], kw.get("block_table"))
     if res is not None:
         stats["replayed"] += 1
+    elif lens is None or r.stale():                    # stale: the full path runs and admits afresh (else: lengths
+        _TABLE.pop(key, None)                          # or a table the replay does not serve, the full path runs)
     return res
 
 

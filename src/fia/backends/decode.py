@@ -626,6 +626,12 @@ class _Replay:
             self.B, self.S = p.B, p.KV_S
             self.plan = plan
 
+    def stale(self) -> bool:
+        """Whether the tuning (thread count, constants) changed since the replay was made."""
+        if self.lengths is not None:
+            return _tuning(_K) != self.tuning
+        return _PLANS.get(_plan_key(self.memo_key, _K)) is not self.prepared[0]
+
     def _prepare(self, plan: _Plan, lens: tuple = ()) -> tuple:
         parts = (plan.W,) + self.rows
         used = None                                 # paged: the table columns each batch uses
@@ -682,7 +688,7 @@ class _Replay:
                 if tbl is None:
                     return None
         else:
-            if _PLANS.get(_plan_key(self.memo_key, K)) is not self.prepared[0]:
+            if self.stale():
                 return None
             prepared = self.prepared
         plan, launch, parts, dims, _ = prepared
