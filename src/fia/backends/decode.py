@@ -594,7 +594,7 @@ class _Replay:
     raises its error) and its plan is the admitting one re-planned for them (_relength, a few per replay
     kept)."""
 
-    _MAX_LENGTHS = 32               # plans kept per lengths replay (the oldest dropped)
+    _MAX_LENGTHS = 8                # plans kept per lengths replay (cleared when full)
 
     def __init__(self, p: AttentionProblem, x: _Inputs, plan: _Plan, K, tensors: tuple, lengths: bool = False):
         src = x.sources[0]
@@ -671,8 +671,8 @@ class _Replay:
             plan = _relength(self.plan, self.p, np.array(lens, np.int64), K, self.tuning[0])
             if plan is None:
                 return None
-            if len(self.lengths) >= self._MAX_LENGTHS:    # (one at a time: clearing 32 plans cost ~0.5 ms)
-                self.lengths.pop(next(iter(self.lengths)), None)
+            if len(self.lengths) >= self._MAX_LENGTHS:
+                self.lengths.clear()
             got = self.lengths[lens] = self._prepare(plan, lens)
         return got
 
