@@ -426,3 +426,71 @@ def test_stale_lengths_replay_is_replaced(monkeypatch):
         want, _ = full_path(fia.npu_fused_infer_attention_score, q, k, v, actual_seq_lengths_kv=lens, **kw)
         assert bits_equal(got, want), lens
     assert replay.stats["admitted"] == 2 and replay.stats["replayed"] == 1 + 3, replay.stats   # re-admitted at once
+
+
+def test_all_zero_lengths_do_not_block_a_lengths_replay():
+    B, N, KV_N, S, D = 2, 4, 2, 64, 32
+    kw = dict(num_heads=N, num_key_value_heads=KV_N, input_layout="BNSD", scale=0.2)
+    _, _, _, q, k, v = inputs(1200, B, N, KV_N, 1, S, D, torch.float16, "BNSD")
+    for lens in ([0, 0], [0, 0], [5, 3], [7, 0], [9, 9]):
+        got = fia.npu_fused_infer_attention_score(q, k, v, actual_seq_lengths_kv=lens, **kw)
+        want = full_path(fia.npu_fused_infer_attention_score, q, k, v, actual_seq_lengths_kv=lens, **kw)
+        assert bits_equal(got[0], want[0]) and bits_equal(got[1], want[1]), lens
+    assert replay.stats == {"admitted": 1, "refused": 0, "replayed": 2}, replay.stats
+
+
+def test_random_decode_loops_equal_the_full_path():
+    """Randomized decode loops (shapes, GQA, dtypes, layouts, lse, threads, dense or paged with 3-D / 4-D caches,
+    fused or incre entry, lengths lists of B or 1 values, new block tables): every call, replayed or not, equals
+    the full path bit for bit or raises the same error."""
+    import random
+    from util import to_layout as tl
+    rnd = random.Random(13)
+    threads = torch.get_num_threads()
+    calls = 0
+    try:
+        for case in range(10):
+            B, KV_N, G = rnd.choice([1, 2, 3]), rnd.choice([1, 2]), rnd.choice([1, 4, 8])
+            N, D = KV_N * G, rnd.choice([64, 128])
+            dt = rnd.choice([torch.bfloat16, torch.float16])
+            layout, lse = rnd.choice(["BSH", "BSND", "BNSD"]), rnd.random() < 0.5
+            paged, entry = rnd.random() < 0.4, rnd.choice(["fused", "incre"])
+            QS = 1 if entry == "incre" or paged else rnd.choice([1, 2])
+            torch.set_num_threads(rnd.choice([1, 2]))
+            g = gen(1300 + case)
+            if paged:
+                bs, mb = rnd.choice([16, 32]), rnd.choice([2, 4])
+                nb, S = B * mb + 3, mb * bs
+                shape = (nb, KV_N, bs, D) if layout == "BNSD" and rnd.random() < 0.5 else (nb, bs, KV_N * D)
+                k, v = randn(shape, g, dt), randn(shape, g, dt)
+            else:
+                S = rnd.choice([40, 300, 2100])
+                k, v = (tl(randn((B, KV_N, S, D), g, dt), layout) for _ in range(2))
+            for step in range(8):
+                q = tl(randn((B, N, QS, D), g, dt), layout)
+                lens = [rnd.randint(0, S) for _ in range(B)] if rnd.random() > 0.15 else [rnd.randint(1, S + 1)]
+                kw = dict(num_heads=N, num_key_value_heads=KV_N, input_layout=layout)
+                if paged:
+                    kw.update(block_table=torch.stack([torch.randperm(nb, generator=g)[:mb] for _ in range(B)]).int(),
+                              block_size=bs)
+                if entry == "fused":
+                    fn = fia.npu_fused_infer_attention_score
+                    kw.update(scale=D ** -0.5, softmax_lse_flag=lse, actual_seq_lengths_kv=lens)
+                else:
+                    fn = fia.npu_incre_flash_attention
+                    kw.update(scale_value=D ** -0.5, actual_seq_lengths=lens)
+                got = want = None
+                try:
+                    got = fn(q, k, v, **kw)
+                except fia.FiaInputError as e:
+                    with pytest.raises(fia.FiaInputError) as w:
+                        full_path(fn, q, k, v, **kw)
+                    assert str(w.value) == str(e), (case, step)
+                    continue
+                want = full_path(fn, q, k, v, **kw)
+                got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+                assert all(bits_equal(a, b) for a, b in zip(got, want)), (case, step, lens)
+                calls += 1
+    finally:
+        torch.set_num_threads(threads)
+    assert calls >= 60 and replay.stats["refused"] == 0 and replay.stats["replayed"] >= calls // 2, replay.stats

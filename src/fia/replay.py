@@ -153,6 +153,8 @@ def admit(key: tuple, ran, q, k, v, results: tuple, kw: dict) -> None:
             return
         if r is not None:                          # admitted, but these lengths were not served: the full path ran
             return
+        if not any(kw[lens]):                      # no key at all: nothing to plan a launch on -- a later call
+            return
     elif problem.memo_key is None:                 # not yet memoized: maybe the next time
         return
     make: Optional[Callable] = getattr(backend, "replay", None)
