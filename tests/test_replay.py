@@ -444,7 +444,6 @@ def test_random_decode_loops_equal_the_full_path():
     fused or incre entry, lengths lists of B or 1 values, new block tables): every call, replayed or not, equals
     the full path bit for bit or raises the same error."""
     import random
-    from util import to_layout as tl
     rnd = random.Random(13)
     threads = torch.get_num_threads()
     calls = 0
@@ -465,9 +464,9 @@ def test_random_decode_loops_equal_the_full_path():
                 k, v = randn(shape, g, dt), randn(shape, g, dt)
             else:
                 S = rnd.choice([40, 300, 2100])
-                k, v = (tl(randn((B, KV_N, S, D), g, dt), layout) for _ in range(2))
+                k, v = (to_layout(randn((B, KV_N, S, D), g, dt), layout) for _ in range(2))
             for step in range(8):
-                q = tl(randn((B, N, QS, D), g, dt), layout)
+                q = to_layout(randn((B, N, QS, D), g, dt), layout)
                 lens = [rnd.randint(0, S) for _ in range(B)] if rnd.random() > 0.15 else [rnd.randint(1, S + 1)]
                 kw = dict(num_heads=N, num_key_value_heads=KV_N, input_layout=layout)
                 if paged:

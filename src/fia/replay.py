@@ -113,8 +113,8 @@ def run(key: tuple, q, k, v, kw: dict):
     res = r(q, k, v) if lens is None else r(q, k, v, kw[lens], kw.get("block_table"))
     if res is not None:
         stats["replayed"] += 1
-    elif lens is None or r.stale():                    # stale: the full path runs and admits afresh (else: lengths
-        _TABLE.pop(key, None)                          # or a table the replay does not serve, the full path runs)
+    elif r.stale():                                    # the full path runs and admits afresh (not stale: lengths or
+        _TABLE.pop(key, None)                          # a table the replay does not serve, the full path runs)
     return res
 
 
@@ -138,20 +138,15 @@ def admit(key: tuple, ran, q, k, v, results: tuple, kw: dict) -> None:
     parse was memoized (a lengths replay: when the key is seen the second time) and a trial reproduces
     `results` exactly -- the full path's (out, lse), or (out,) for an entry point that returns the output
     alone."""
-    if ran is None:
-        return
-    r = _TABLE.get(key)
-    lens = key[-1]
-    if r is not None and (lens is None or r is _NEVER):
+    if ran is None or key in _TABLE:               # (a lengths replay there: these lengths it did not serve)
         return
     problem, backend = ran
+    lens = key[-1]
     if lens is not None:
-        if r is None and key not in _SEEN:         # a one-off call: no trial (it would run the kernels twice)
+        if key not in _SEEN:                       # a one-off call: no trial (it would run the kernels twice)
             if len(_SEEN) >= 4 * _MAX:
                 _SEEN.clear()
             _SEEN.add(key)
-            return
-        if r is not None:                          # admitted, but these lengths were not served: the full path ran
             return
         if not any(kw[lens]):                      # no key at all: nothing to plan a launch on -- a later call
             return

@@ -623,8 +623,6 @@ class _Replay:
             self.lengths = {}
             self.p = p.evolve(query=None, kv=None)
             self.tuning = _tuning(K)
-            self.B, self.S = p.B, p.KV_S
-            self.plan = plan
 
     def stale(self) -> bool:
         """Whether the tuning (thread count, constants) changed since the replay was made."""
@@ -655,7 +653,7 @@ class _Replay:
         """The prepared plan for a call's KV lengths, or None (invalid lengths, stale tuning, no work)."""
         if type(lens) not in (list, tuple) or _tuning(K) != self.tuning:
             return None
-        B, S = self.B, self.S
+        B, S = self.p.B, self.p.KV_S
         n = len(lens)
         if n == 1:
             lens = tuple(lens) * B
@@ -668,7 +666,7 @@ class _Replay:
                 return None
         got = self.lengths.get(lens)
         if got is None:
-            plan = _relength(self.plan, self.p, np.array(lens, np.int64), K, self.tuning[0])
+            plan = _relength(self.prepared[0], self.p, np.array(lens, np.int64), K, self.tuning[0])
             if plan is None:
                 return None
             if len(self.lengths) >= self._MAX_LENGTHS:

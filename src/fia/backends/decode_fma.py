@@ -41,6 +41,12 @@ NARROW = not target_has("avx512f")
 KIND_BF16_EO = 5
 
 
+def _kinds() -> tuple:
+    """The element kinds qk_fma / pv_fma specialize for besides bf16 (read when the code is generated: the
+    tests build wide and narrow kernels on one CPU by switching NARROW)."""
+    return (KIND_FP16, KIND_I8, KIND_BF16_EO) if NARROW else (KIND_FP16, KIND_I8)
+
+
 def _vec(ty, lanes):
     return ir.VectorType(ty, lanes)
 
@@ -120,7 +126,7 @@ def qk_fma(typingctx, qaddr, q_rs, kaddr, kind, offaddr, n, saddr, s_rs, R, D, x
                            eo)
             else:
                 _qk_kernel(b, _qk_op(kind), qa, qrs, ka, offp, sa, srs, R_, n_, D_, x, 16, (8,))
-        _switch(b, kd, (KIND_FP16, KIND_I8, KIND_BF16_EO) if NARROW else (KIND_FP16, KIND_I8), emit, KIND_BF16)
+        _switch(b, kd, _kinds(), emit, KIND_BF16)
 
     def codegen(context, builder, signature, args):
         return _outlined(context, builder, "fia_qk_fma", args, body)
@@ -274,7 +280,7 @@ def pv_fma(typingctx, paddr, p_rs, vaddr, kind, offaddr, n, aaddr, a_rs, R, Dv, 
             # 2 rows x 8 chunks (128 channels: a whole row of D = 128 per pass), or x 4, or x 1
             _pv_row_blocks(b, R_, Dv_, ((128, 8), (64, 4), 1), lambda NR, DG, r0: _pv_passes(
                 b, kind, NR, DG, r0, pa, prs, va, offp, n_, aa, ars, R_, Dv_, x, 16, 2))
-        _switch(b, kd, (KIND_FP16, KIND_I8, KIND_BF16_EO) if NARROW else (KIND_FP16, KIND_I8), emit, KIND_BF16)
+        _switch(b, kd, _kinds(), emit, KIND_BF16)
 
     def codegen(context, builder, signature, args):
         return _outlined(context, builder, "fia_pv_fma", args, body)
