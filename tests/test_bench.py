@@ -200,3 +200,37 @@ def test_cache_note_names_a_large_last_level_cache():
     assert len(big) == 1 and "480 MB" in big[0] and "between calls" in big[0]
     assert len(_cache_lines({"llc_mb": 96.0})) == 1
     assert _llc_mb() >= 0 and Ceilings(1.0, 1.0, {"fp32": 1.0}, {"fp32": 8}).to_dict()["llc_mb"] == _llc_mb()
+
+
+def test_dense_twin_is_timed_with_paged_and_int8_cases():
+    """Paged and int8 decode cases are timed together with FIA on their dense twin (same problem, dense K / V
+    of the case's dtype, checked against the reference); the ratio twin ms / case ms is speedup_vs_dense and
+    a column of the table. Dense and prefill cases have no twin."""
+    assert C.decode_case("bf16", "dense", 4096).dense_twin() is None and TINY[2].dense_twin() is None
+    twin = C.decode_case("fp16", "int8-chan", 4096).dense_twin()
+    assert (twin.storage, twin.dtype, twin.B, twin.S_kv) == ("dense", "fp16", 8, 4096)
+    assert twin.kv_bytes() == 2 * C.decode_case("fp16", "int8-chan", 4096).kv_bytes() - 4 * 8 * 128 * 2
+    opts = runner.Options(repeats=2, time_budget_s=0.05, ref_budget_s=5.0)
+    for case in TINY[:2]:
+        rec = runner.run_case(case, FAKE, opts, fia)
+        d = rec["dense"]
+        assert d["status"] == "ok" and d["case"] == case.name + ":dense" and d["rel_err"] <= runner.TOL[case.dtype]
+        assert d["median_ms"] > 0 and rec["speedup_vs_dense"] == pytest.approx(d["median_ms"] / rec["fia"]["median_ms"])
+        assert d["rate"] == pytest.approx(case.dense_twin().kv_bytes() / d["median_ms"] / 1e6)
+        table = report.terminal_table([rec], FAKE.to_dict()).splitlines()
+        head = next(i for i, s in enumerate(table) if s.startswith("case "))
+        assert "x dense" in table[head] and f"{rec['speedup_vs_dense']:.2f}" in table[head + 2]
+    dense = runner.run_case(C.Case("tiny-decode", "decode", "bf16", 2, 4, 2, 64, 1, 256), FAKE, opts, fia)
+    assert dense["speedup_vs_dense"] is None and dense["dense"]["status"] == "not run"
+
+
+def test_timing_blocks_are_palindromic():
+    """timeit_aba runs half of each function's calls in order, the last one's all, then the other halves in
+    reverse: a linear drift of the machine hits every function alike."""
+    order = []
+    fns = [(n, (lambda n=n: order.append(n))) for n in "abc"]
+    res = runner.timeit_aba(fns, 4, 10.0, {n: True for n in "abc"})
+    assert "".join(order) == "aabbccccbbaa" and all(res[n]["repeats"] == 4 for n in "abc")
+    order.clear()
+    runner.timeit_aba(fns[::2], 3, 10.0, {"a": False, "c": True})
+    assert "".join(order) == "a" + "a" + "ccc" + "aa"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import numpy as np
@@ -70,6 +70,15 @@ class Case:
             scales = 2 * (self.KV_N * self.D * 2 if self.storage == "int8-chan" else self.B * self.S_kv * 4)
             return 2 * elems + scales
         return 2 * elems * self.torch_dtype.itemsize
+
+    def dense_twin(self) -> Optional["Case"]:
+        """The same decode problem with a dense K / V cache of the case's dtype, for paged and int8 cases:
+        issue 7's paged (within 15 % of dense) and int8 (>= 1.6x our dense run) targets are ratios to it,
+        so the bench times it in the same blocks as the case (a ratio of two cases timed minutes apart
+        measures the host's drift: session 13, the same call took 7.0-18.9 ms within the hour)."""
+        if self.kind != "decode" or self.storage == "dense":
+            return None
+        return replace(self, name=f"{self.name}:dense", storage="dense", min_repeats=self.min_repeats)
 
     def input_bytes(self) -> int:
         """Rough resident size of the inputs (for the memory guard)."""

@@ -6,7 +6,7 @@ import os
 from typing import Optional
 
 COLUMNS = ["case", "backend", "FIA ms", "FIA rate", "% ceil", "% near", "ref ms", "SDPA ms", "SDPA rate",
-           "x SDPA", "peak MB FIA/SDPA", "check"]
+           "x SDPA", "x dense", "peak MB FIA/SDPA", "check"]
 
 
 def _rate(rec: dict, impl: str) -> str:
@@ -42,6 +42,7 @@ def rows(records: list[dict], width: int = 24) -> list[list[str]]:
             f"{f['pct_near']:.0f}%" if "pct_near" in f else "",
             _ms(ref, width), _ms(s, width), _rate(r, "sdpa"),
             f"{r['speedup_vs_sdpa']:.2f}" if r.get("speedup_vs_sdpa") else "",
+            f"{r['speedup_vs_dense']:.2f}" if r.get("speedup_vs_dense") else "",
             f"{_mb(f.get('peak_mb'))}/{_mb(s.get('peak_mb'))}", check,
         ])
     return out
@@ -103,6 +104,9 @@ NOTES = """\
 - SDPA = torch.nn.functional.scaled_dot_product_attention on the same problem, everything inside the timed
   call: enable_gqa=True; paged KV gathered to a dense tensor first; int8 KV dequantized first; causal via
   is_causal; band as a bool mask; pse_shift as the float additive mask.
+- x dense (paged and int8 decode cases): FIA on the same problem with a dense K / V cache of the case's dtype
+  (its "dense twin", checked like a case), timed in the same blocks: FIA / twin / SDPA / twin / FIA, so the
+  ratio (twin ms / case ms: > 1 = faster than dense) is not the host's drift between two cases.
 - Check: FIA's automatic backend against the reference backend — on the whole case when the reference is
   cheap enough, otherwise on KV head 0 and its query heads (head groups are independent); SDPA in float32
   on that slice when the reference cannot run the case. Error = max|out − ref| / max|ref|. A wrong output

@@ -35,7 +35,7 @@ import torch
 from . import cases as C
 from . import peers
 
-_PAIRED = ("fia", "sdpa")          # timed against each other in A-B-A blocks (their ratio is the result)
+_PAIRED = ("fia", "dense", "sdpa")   # timed against each other in A-B-(C-B-)A blocks (their ratios are the result)
 TOL = {"fp16": 5e-3, "bf16": 2e-2}   # max|a - b| / max|ref|
 
 
@@ -126,11 +126,12 @@ def timeit(fn: Callable, repeats: int, budget_s: float, warm: bool = True) -> di
 
 
 def timeit_aba(fns: list, repeats: int, budget_s: float, warm: dict) -> dict:
-    """A-B-A blocks: half of the first function's calls, all of the second's, then the other half of the
-    first's (`repeats` calls each, fewer when `budget_s` per function has passed, at least one). A linear drift
-    of the machine (clock, load) hits both alike, and unlike call-by-call alternation a call rarely follows
-    the peer's (a multi-GB SDPA call leaves caches, TLBs and the page allocator cold for the next one; the
-    median discards the one call per block that pays it). One warm-up call first for each function not `warm`.
+    """Palindromic blocks: half of each function's calls in list order, all of the last one's, then the other
+    halves in reverse order (two functions: A-B-A; three: A-B-C-B-A), `repeats` calls each (fewer when
+    `budget_s` per function has passed, at least one). A linear drift of the machine (clock, load) hits every
+    function alike, and unlike call-by-call alternation a call rarely follows another function's (a multi-GB
+    SDPA call leaves caches, TLBs and the page allocator cold for the next one; the median discards the one
+    call per block that pays it). One warm-up call first for each function not `warm`.
     Returns {name: {median_ms, min_ms, repeats}}."""
     for name, fn in fns:
         if not warm[name]:
@@ -146,13 +147,14 @@ def timeit_aba(fns: list, repeats: int, budget_s: float, warm: dict) -> dict:
             fn()
             ts[name].append((time.perf_counter() - t0) * 1e3)
 
-    first, rest = fns[0], fns[1:]
+    outer, (last, last_fn) = fns[:-1], fns[-1]
     half = max(1, repeats // 2)
-    block(*first, half, budget_s / 2)
-    for name, fn in rest:
-        block(name, fn, repeats, budget_s)
+    for name, fn in outer:
+        block(name, fn, half, budget_s / 2)
+    block(last, last_fn, repeats, budget_s)
     if repeats > half:
-        block(*first, repeats - half, budget_s / 2)
+        for name, fn in reversed(outer):
+            block(name, fn, repeats - half, budget_s / 2)
     return {name: _stats(t) for name, t in ts.items()}
 
 
@@ -256,10 +258,11 @@ def apply_ceilings(records: list, ceilings) -> None:
                 rec[name]["pct_ceiling"] = 100.0 * rec[name]["rate"] / rec["ceiling"]
 
 
-def _rate(rec: dict, ms: float) -> float:
+def _rate(rec: dict, ms: float, case: C.Case) -> float:
+    """The case's rate at ms per call (the dense twin's: its own K / V bytes)."""
     if rec["metric"] == "GB/s":
-        return rec["kv_bytes"] / (ms * 1e-3) / 1e9
-    return rec["flops"] / (ms * 1e-3) / 1e12
+        return case.kv_bytes() / (ms * 1e-3) / 1e9
+    return case.flops() / (ms * 1e-3) / 1e12
 
 
 def _skip_all(rec: dict, msg: str) -> dict:
@@ -294,6 +297,24 @@ def _judge(fia, inp: C.Inputs, sl: C.Inputs, rec: dict, opts: Options, phase) ->
     return ref_s, f"reference on KV head 0 (query heads 0..{G - 1})", False
 
 
+def _dense_twin(fia, twin: C.Case, seed: int, rec: dict) -> Optional[Callable]:
+    """FIA on the case's dense twin (C.Case.dense_twin), checked against the reference on KV head 0's query
+    heads like a case of its own; rec["dense"] gets its status and first / warm call. Returns the call, or
+    None when it failed (the case's own timing goes on without it)."""
+    inp = C.build(twin, seed)
+    sl = inp.head_slice()
+    judge, _, st = _guard(fia, _fia_call(fia, sl, "reference"))
+    fn = _fia_call(fia, inp, None)
+    out, info, st = _guard(fia, fn) if st is None else (None, {}, "reference: " + st)
+    rec["dense"] = {"status": st or "ok", "case": twin.name, **info}
+    if out is not None:
+        err = rel_err(out[:, :twin.G], judge)
+        rec["dense"]["rel_err"] = err
+        if err > TOL[twin.dtype]:
+            rec["dense"]["status"] = "wrong"
+    return fn if rec["dense"]["status"] == "ok" else None
+
+
 def run_case(case: C.Case, ceilings, opts: Options, fia, phase: Callable[[str], None] = lambda s: None,
              probe=None) -> dict:
     """One case's record. probe (machine.ReadProbe): decode cases also get `near_ceiling`, the better of
@@ -301,8 +322,10 @@ def run_case(case: C.Case, ceilings, opts: Options, fia, phase: Callable[[str], 
     `pct_near` = rate / near_ceiling (the global ceiling is measured minutes away on a drifting host)."""
     rec = case_record(case, ceilings)
     rec.update({name: {"status": "not run"} for name in ("fia", "reference", "sdpa", "check")},
-               speedup_vs_sdpa=None)
-    avail, need = available_bytes(), 2 * case.input_bytes()   # inputs + as much again for temporaries
+               speedup_vs_sdpa=None, speedup_vs_dense=None)
+    twin = case.dense_twin()
+    inputs = case.input_bytes() + (twin.input_bytes() if twin else 0)
+    avail, need = available_bytes(), 2 * inputs               # inputs + as much again for temporaries
     if avail is not None and need > opts.mem_fraction * avail:
         return _skip_all(rec, f"skipped: needs ~{need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB available")
     phase("build")
@@ -346,7 +369,12 @@ def run_case(case: C.Case, ceilings, opts: Options, fia, phase: Callable[[str], 
             rec["sdpa"]["status"] = "wrong"
     del s_out, judge
 
-    plan = [("fia", fia_fn), ("sdpa", sdpa_fn), ("reference", _fia_call(fia, inp, "reference"))]
+    plan = [("fia", fia_fn), ("dense", None), ("sdpa", sdpa_fn), ("reference", _fia_call(fia, inp, "reference"))]
+    if twin is not None and check["status"] == "ok":
+        phase("dense twin")
+        plan[1] = ("dense", _dense_twin(fia, twin, opts.seed, rec))
+    else:
+        rec["dense"] = {"status": "not run"}
     if check["status"] == "wrong":         # a benchmark of a wrong answer is refused
         plan = []
         for name in ("sdpa", "reference"):
@@ -355,8 +383,9 @@ def run_case(case: C.Case, ceilings, opts: Options, fia, phase: Callable[[str], 
     plan = [(name, fn) for name, fn in plan if rec[name]["status"] == "ok"]
     warm = {name: rec[name]["warm_call_s"] is not None or rec[name]["first_call_s"] >= 0.5 for name, _ in plan}
     repeats = max(opts.repeats, case.min_repeats)
-    # FIA - SDPA - FIA blocks, so a drift of the machine (clock, load, other processes) hits both alike and
-    # their ratio is taken within the same minutes; the (slow) reference is timed afterwards
+    # FIA - (dense twin -) SDPA - (dense twin -) FIA blocks, so a drift of the machine (clock, load, other
+    # processes) hits them alike and their ratios are taken within the same minutes; the (slow) reference is
+    # timed afterwards
     pair = [(n, f) for n, f in plan if n in _PAIRED]
     near = probe is not None and case.kind == "decode" and bool(pair)
     if pair:
@@ -373,12 +402,14 @@ def run_case(case: C.Case, ceilings, opts: Options, fia, phase: Callable[[str], 
             phase(f"time {name}")
             rec[name].update(timeit(fn, repeats, opts.time_budget_s, warm[name]))
     for name, _ in plan:
-        r = _rate(rec, rec[name]["median_ms"])
+        r = _rate(rec, rec[name]["median_ms"], twin if name == "dense" else case)
         rec[name].update(rate=r, pct_ceiling=100.0 * r / rec["ceiling"])
         if "near_ceiling" in rec and name in _PAIRED:
             rec[name]["pct_near"] = 100.0 * r / rec["near_ceiling"]
     if "median_ms" in rec["fia"] and "median_ms" in rec["sdpa"]:
         rec["speedup_vs_sdpa"] = rec["sdpa"]["median_ms"] / rec["fia"]["median_ms"]
+    if "median_ms" in rec["fia"] and "median_ms" in rec["dense"]:
+        rec["speedup_vs_dense"] = rec["dense"]["median_ms"] / rec["fia"]["median_ms"]
     del inp, sl
     if case.input_bytes() > 64 << 20:      # tensors go by refcount; this only clears stray cycles (~0.2 s)
         gc.collect()
@@ -434,5 +465,7 @@ def run_all(cases: list[C.Case], ceilings, opts: Options, fia=None, progress: bo
             line += f" {f['median_ms']:.2f} ms"
         if rec["speedup_vs_sdpa"]:
             line += f", x{rec['speedup_vs_sdpa']:.2f} vs SDPA"
+        if rec["speedup_vs_dense"]:
+            line += f", x{rec['speedup_vs_dense']:.2f} vs dense"
         bar.write(line)
     return records
