@@ -220,6 +220,8 @@ def test_dense_twin_is_timed_with_paged_and_int8_cases():
         table = report.terminal_table([rec], FAKE.to_dict()).splitlines()
         head = next(i for i, s in enumerate(table) if s.startswith("case "))
         assert "x dense" in table[head] and f"{rec['speedup_vs_dense']:.2f}" in table[head + 2]
+        runner.apply_ceilings([rec], machine.Ceilings(40.0, 40.0, {"fp32": 1.0}, {"fp32": 8}))
+        assert d["pct_ceiling"] == pytest.approx(100.0 * d["rate"] / 40.0)     # the final ceiling, as the case's
     dense = runner.run_case(C.Case("tiny-decode", "decode", "bf16", 2, 4, 2, 64, 1, 256), FAKE, opts, fia)
     assert dense["speedup_vs_dense"] is None and dense["dense"]["status"] == "not run"
 

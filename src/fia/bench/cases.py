@@ -78,7 +78,7 @@ class Case:
         measures the host's drift: session 13, the same call took 7.0-18.9 ms within the hour)."""
         if self.kind != "decode" or self.storage == "dense":
             return None
-        return replace(self, name=f"{self.name}:dense", storage="dense", min_repeats=self.min_repeats)
+        return replace(self, name=f"{self.name}:dense", storage="dense")
 
     def input_bytes(self) -> int:
         """Rough resident size of the inputs (for the memory guard)."""

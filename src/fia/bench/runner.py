@@ -253,8 +253,8 @@ def apply_ceilings(records: list, ceilings) -> None:
             rec["ceiling"] = ceilings.read_gbps
         else:
             rec["ceiling"], rec["ceiling_basis"] = ceilings.prefill_ceiling(rec["dtype"])
-        for name in ("fia", "reference", "sdpa"):
-            if "rate" in rec[name]:
+        for name in ("fia", "reference", "sdpa", "dense"):
+            if "rate" in rec.get(name, {}):
                 rec[name]["pct_ceiling"] = 100.0 * rec[name]["rate"] / rec["ceiling"]
 
 
