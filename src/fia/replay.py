@@ -109,13 +109,19 @@ def run(key: tuple, q, k, v, kw: dict):
     r = _TABLE.get(key)
     if r is None or r is _NEVER:
         return None
-    lens = key[-1]
-    res = r(q, k, v) if lens is None else r(q, k, v, kw[lens], kw.get("block_table"))
+    res = _replayed(r, key, q, k, v, kw)
     if res is not None:
         stats["replayed"] += 1
     elif r.stale():                                    # the full path runs and admits afresh (not stale: lengths or
         _TABLE.pop(key, None)                          # a table the replay does not serve, the full path runs)
     return res
+
+
+def _replayed(r, key: tuple, q, k, v, kw: dict):
+    """Replay r on a call: a lengths replay (key's last item: the lengths argument's name) also takes the
+    call's lengths and block table."""
+    lens = key[-1]
+    return r(q, k, v) if lens is None else r(q, k, v, kw[lens], kw.get("block_table"))
 
 
 def capture(fn, *args, **kwargs):
@@ -153,13 +159,8 @@ def admit(key: tuple, ran, q, k, v, results: tuple, kw: dict) -> None:
     elif problem.memo_key is None:                 # not yet memoized: maybe the next time
         return
     make: Optional[Callable] = getattr(backend, "replay", None)
-    if make is None:
-        r = None
-    elif lens is None:
-        r = make(problem, q, k, v)
-    else:
-        r = make(problem, q, k, v, lengths=True)
-    got = None if r is None else (r(q, k, v) if lens is None else r(q, k, v, kw[lens], kw.get("block_table")))
+    r = None if make is None else make(problem, q, k, v, lengths=lens is not None)
+    got = None if r is None else _replayed(r, key, q, k, v, kw)
     ok = got is not None and _same(got[:len(results)], results)
     if len(_TABLE) >= _MAX:
         _TABLE.clear()

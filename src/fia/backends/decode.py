@@ -653,13 +653,9 @@ class _Replay:
         """The prepared plan for a call's KV lengths, or None (invalid lengths, stale tuning, no work)."""
         if type(lens) not in (list, tuple) or _tuning(K) != self.tuning:
             return None
-        B, S = self.p.B, self.p.KV_S
-        n = len(lens)
-        if n == 1:
-            lens = tuple(lens) * B
-        elif n >= B:
-            lens = tuple(lens[:B])
-        else:
+        from ..parse.lengths import broadcast        # (parse's own rule for the value count)
+        lens, S = broadcast(lens, self.p.B), self.p.KV_S
+        if lens is None:
             return None
         for v in lens:
             if type(v) is not int or v < 0 or v > S:

@@ -369,12 +369,11 @@ def run_case(case: C.Case, ceilings, opts: Options, fia, phase: Callable[[str], 
             rec["sdpa"]["status"] = "wrong"
     del s_out, judge
 
-    plan = [("fia", fia_fn), ("dense", None), ("sdpa", sdpa_fn), ("reference", _fia_call(fia, inp, "reference"))]
+    dense_fn, rec["dense"] = None, {"status": "not run"}
     if twin is not None and check["status"] == "ok":
         phase("dense twin")
-        plan[1] = ("dense", _dense_twin(fia, twin, opts.seed, rec))
-    else:
-        rec["dense"] = {"status": "not run"}
+        dense_fn = _dense_twin(fia, twin, opts.seed, rec)
+    plan = [("fia", fia_fn), ("dense", dense_fn), ("sdpa", sdpa_fn), ("reference", _fia_call(fia, inp, "reference"))]
     if check["status"] == "wrong":         # a benchmark of a wrong answer is refused
         plan = []
         for name in ("sdpa", "reference"):

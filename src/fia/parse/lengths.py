@@ -15,16 +15,22 @@ def per_batch(ctx: Ctx, name: str, lens: Optional[Tuple[int, ...]], b: int,
     limit_is says in the error what bounds the values ({i}: the batch index)."""
     if lens is None:
         return tuple(limits)
-    if len(lens) == 1:
-        lens = lens * b
-    elif len(lens) >= b:
-        lens = lens[:b]
-    else:
+    got = broadcast(lens, b)
+    if got is None:
         raise ctx.err(name, f"1 or at least B = {b} entries", f"{len(lens)} entries")
-    for i, (v, lim) in enumerate(zip(lens, limits)):
+    for i, (v, lim) in enumerate(zip(got, limits)):
         if v < 0 or v > lim:
             raise ctx.err(name, f"values in [0, {lim}] ({limit_is.format(i=i)})", f"{v} at index {i}")
-    return tuple(lens)
+    return got
+
+
+def broadcast(lens: Sequence, b: int) -> Optional[Tuple]:
+    """The per-batch values of a lengths list of 1 (every batch) or >= b entries (the first b), else None."""
+    if len(lens) == 1:
+        return tuple(lens) * b
+    if len(lens) >= b:
+        return tuple(lens[:b])
+    return None
 
 
 def cumulative(ctx: Ctx, name: str, lens: Optional[Tuple[int, ...]], total: int) -> Tuple[int, ...]:
