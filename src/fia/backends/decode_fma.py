@@ -37,7 +37,7 @@ NARROW = not target_has("avx512f")
 # ops per 16 values; the zero-extending widening took 2 loads + 2 shuffles + 2 shifts, and on Zen 3 its
 # shuffles share a pipe with the FMAs). The caller pairs them: QK with the query de-interleaved the same way
 # once per item, PV with accumulators whose 16-channel groups hold the even channels, then the odd ones
-# (decode_kernels._item puts them back). Exact: the same products, only summed in another order.
+# (decode_kernels._items puts them back). Exact: the same products, only summed in another order.
 KIND_BF16_EO = 5
 
 
