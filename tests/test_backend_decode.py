@@ -50,6 +50,9 @@ def _dp(request, monkeypatch):
         monkeypatch.setattr(K, "DP_FLAGS", request.param)
         if hasattr(DEC, "_PLANS"):                          # plans carry the flags: start from none
             monkeypatch.setattr(DEC, "_PLANS", {})
+        # the suite's calls are small: without this their launches would drop the prefetch bits
+        # (decode.PREFETCH_MIN_BYTES) and the prefetching code paths would go untested
+        monkeypatch.setattr(DEC, "PREFETCH_MIN_BYTES", -1)
     return request.param
 
 
@@ -189,6 +192,25 @@ def small_splits(monkeypatch):
     monkeypatch.setattr(DEC, "MIN_SPLIT", 8)
     monkeypatch.setattr(DEC, "ITEMS_PER_THREAD", 64)
     monkeypatch.setattr(DEC, "PARALLEL_MIN_WORK", 0)
+
+
+def test_prefetch_bits_follow_the_bytes_read(monkeypatch):
+    """A launch reading at most PREFETCH_MIN_BYTES of K / V (keys x KV heads x row bytes of its kinds) runs
+    without the software prefetch bits of DP_FLAGS; a larger one keeps them, and the other bits stay."""
+    from fia.backends import decode_kernels as K
+    pf = K.DP_PREFETCH | K.DP_NTA | K.DP_AHEAD
+    monkeypatch.setattr(K, "DP_FLAGS", K.DP_FLAGS | pf)
+    monkeypatch.setattr(DEC, "PREFETCH_MIN_BYTES", 1 << 20)
+    ip = [0] * K.IP_LEN
+    ip[K.IP_D], ip[K.IP_DV], ip[K.IP_K_KIND], ip[K.IP_V_KIND] = 128, 128, K.KIND_BF16, K.KIND_BF16
+    assert DEC._dp_flags(K, ip, 256, 8) == K.DP_FLAGS & ~pf            # 256 keys x 8 heads x 512 B = 1 MiB
+    assert DEC._dp_flags(K, ip, 257, 8) == K.DP_FLAGS
+    ip[K.IP_K_KIND], ip[K.IP_V_KIND] = K.KIND_I8, K.KIND_I4            # 128 + 64 bytes per key
+    assert DEC._dp_flags(K, ip, 1024 * 1024 // 192 // 8, 8) == K.DP_FLAGS & ~pf
+    assert DEC._dp_flags(K, ip, 1024 * 1024 // 192 // 8 + 1, 8) == K.DP_FLAGS
+    ip[K.IP_K_KIND], ip[K.IP_V_KIND], ip[K.IP_DR], ip[K.IP_R_KIND] = K.KIND_F32, K.KIND_BF16, 64, K.KIND_BF16
+    assert DEC._dp_flags(K, ip, 1024 * 1024 // 896, 1) == K.DP_FLAGS & ~pf     # 512 + 256 + 128 bytes per key
+    assert DEC._dp_flags(K, ip, 1024 * 1024 // 896 + 1, 1) == K.DP_FLAGS
 
 
 # ---------------------------------------------------------------------------------------------- dense, GQA

@@ -148,6 +148,11 @@ def test_explain_names_the_decode_kernels(monkeypatch):
           "float32 FMA (bf16 in even / odd halves)" if K.NARROW else "float32 FMA")
     kernels = K.DP_FLAGS & ~(K.DP_PREFETCH | K.DP_NTA | K.DP_AHEAD)
     assert bool(kernels & K.DP_EO) == K.NARROW
+    from fia.backends import decode as DEC
+    monkeypatch.setattr(K, "DP_FLAGS", kernels | K.PREFETCH_POLICIES["nta+ahead"])
+    # a call reading at most PREFETCH_MIN_BYTES of K / V runs without the prefetches (its data may be cached)
+    assert _kernel_line(q, k, v) == f"kernels: QK {dp}, PV {dp}"
+    monkeypatch.setattr(DEC, "PREFETCH_MIN_BYTES", -1)            # the small calls below prefetch as large ones
     monkeypatch.setattr(K, "DP_FLAGS", kernels | K.PREFETCH_POLICIES["nta+ahead"])
     assert _kernel_line(q, k, v) == f"kernels: QK {dp}, PV {dp}, software prefetch (nta; rows ahead: K, V)"
     assert _kernel_line(q.half(), k.half(), v.half()) == (

@@ -48,6 +48,12 @@ MIN_SPLIT = 512             # fewest keys of a split (smaller splits cost more i
 ITEMS_PER_THREAD = 4        # split long sequences until there are about this many items per thread
 CHUNK_FLOATS = 32768        # keys per chunk = CHUNK_FLOATS // head dim (256 for D = 128), measured best
 PARALLEL_MIN_WORK = 16384   # keys x rows below which one thread does everything (no pool hand-off)
+# The kernels' software prefetches (decode_kernels.PREFETCH_POLICY) bet that K / V come from DRAM. A launch that
+# reads at most PREFETCH_MIN_BYTES of K / V runs without them: its data may well be cached (a call repeated),
+# where they only cost instructions. Zen 3, session 15, bf16, one query row per KV head, prefetch toggled in
+# process: the same call repeated, time with / without 0.80-0.87x at 512 KiB and 1 MiB, 0.70x at 2 MiB; a new
+# cache each call (from DRAM) level at 512 KiB and 1 MiB, 1.06-1.10x at 2 MiB, 1.08-1.18x at 128 MiB.
+PREFETCH_MIN_BYTES = 1 << 20
 PREFILL_ROWS = 128          # Q_S > 1 with more rows per KV head than this: prefer the prefill backend
 PREFILL_PRIORITY = PrefillBackend.priority
 _BIG = 1 << 40              # "infinite" block size of unpaged storage
@@ -366,7 +372,7 @@ def _plan_key(memo_key: int, K) -> tuple:
 
 def _tuning(K) -> tuple:
     return (max(1, torch.get_num_threads()), MIN_SPLIT, ITEMS_PER_THREAD, CHUNK_FLOATS, PARALLEL_MIN_WORK, PREFIX_ROWS,
-            K.DP_FLAGS)
+            PREFETCH_MIN_BYTES, K.DP_FLAGS)
 
 
 def _plan(p: AttentionProblem, x: _Inputs, K, threads: int) -> _Plan:
@@ -478,8 +484,20 @@ def _launch_plan(src: "_Source", ip: list, K, work: np.ndarray, w0: int, w1: int
     the order the threads take them. Threaded: longest first; small work (keys x H x R < PARALLEL_MIN_WORK)
     stays on the calling thread."""
     src.ints(ip, K)
+    ip[K.IP_DP] = _dp_flags(K, ip, keys, H)
     items, t = _schedule(work, H, R, threads, keys)
     return _Launch(np.array(ip, np.int64), work, w0, w1, items, t, src.generic())
+
+
+def _dp_flags(K, ip, keys: int, H: int) -> int:
+    """ip[IP_DP] of a launch over `keys` keys x H KV heads (its K / V kinds in ip): DP_FLAGS, without the
+    prefetch bits when it reads at most PREFETCH_MIN_BYTES of K / V."""
+    size = {K.KIND_F32: 4.0, K.KIND_I8: 1.0, K.KIND_I4: 0.5}        # bytes per element (others: 2)
+    per_key = sum(ip[d] * size.get(int(ip[kind]), 2.0)
+                  for d, kind in ((K.IP_D, K.IP_K_KIND), (K.IP_DV, K.IP_V_KIND), (K.IP_DR, K.IP_R_KIND)))
+    if keys * H * per_key <= PREFETCH_MIN_BYTES:
+        return K.DP_FLAGS & ~(K.DP_PREFETCH | K.DP_NTA | K.DP_AHEAD)
+    return K.DP_FLAGS
 
 
 def _schedule(work: np.ndarray, H: int, R: int, threads: int, keys: int):
@@ -508,8 +526,13 @@ def _relength(plan: _Plan, p: AttentionProblem, kv_lens: np.ndarray, K, threads:
     if W == 0:
         return None
     items, t = _schedule(work, p.KV_N, p.G * p.Q_S, threads, keys)
+    ip = launch.ip
+    flags = _dp_flags(K, ip, keys, p.KV_N)
+    if flags != ip[K.IP_DP]:                      # (the prefetch choice follows the bytes read)
+        ip = ip.copy()
+        ip[K.IP_DP] = flags
     return plan._replace(geo=geo, W=W, wrange=wrange, pwrange=wrange[:, :1],
-                         own=[launch._replace(work=work, w0=0, w1=W, items=items, threads=t)])
+                         own=[launch._replace(ip=ip, work=work, w0=0, w1=W, items=items, threads=t)])
 
 
 def _out_layout(p: AttentionProblem):
