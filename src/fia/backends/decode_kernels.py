@@ -652,7 +652,7 @@ def softmax_chunk(s, R, n, m, ll, vx, acc, Dv, p2, mode, wsc):
 
 
 # ---------------------------------------------------------------------------------------------- the pass
-@njit(fastmath=FM, cache=True)
+@njit(fastmath=FM, cache=True, inline="always")
 def row_offsets(tbl, i, c0, n, bs, s_blk, base, s_s, dst):
     """dst[c] = element offset of key position c0 + c (c < n) of query group i: block tbl[i, p // bs]
     (the paged block, or the batch for unpaged storage with bs = "infinite") times s_blk + base + the
@@ -797,6 +797,11 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
     add at entry and exit), and per item the ~47 arrays of this function were ~100 atomics, ~0.7 us per item
     (a quarter of the kernel time of issue 7's small call, perf samples in NRT_incref / NRT_decref)."""
     H = ip[IP_H]
+    # views and flags of the launch, made once: each array view is an allocation and reference counts
+    q8, q16, q32, qfl = views(qbuf)
+    kf_ = kernel_flags(ip)
+    q2i = q2.view(np.int16)
+    p2i = p2.view(np.int16)
     while True:
         it = claim(items, counter)
         if it < 0:
@@ -839,8 +844,6 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
         # (scratch: qv [R, dq], qa / qs [R]; rb / rn / rs [R]: batch, query head, physical row of a row)
         scale = np.float32(fp[0])
         kc_mode = ip[IP_KC_MODE]
-        q8, q16, q32, qfl = views(qbuf)
-        kf_ = kernel_flags(ip)
         dp_qk = (kf_ & KF_DP_QK) != 0
         dp_pv = (kf_ & KF_DP_PV) != 0
         amx_qk = (kf_ & KF_AMX_QK) != 0
@@ -852,8 +855,6 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
         fma_pv = (kf_ & KF_FMA_PV) != 0
         eo_qk = (kf_ & KF_EO_QK) != 0
         eo_pv = (kf_ & KF_EO_PV) != 0
-        q2i = q2.view(np.int16)
-        p2i = p2.view(np.int16)
         for r in range(R):
             bl = r // R0
             b = i * BPG + bl
@@ -1325,7 +1326,7 @@ def merge(mp, geo, po, pm, pl, pany, wrange, ppo, ppm, ppl, ppany, pwrange, sink
             lse[lb] = M + np.float32(np.log(lt))
 
 
-@njit(fastmath=FM, cache=True)
+@njit(fastmath=FM, cache=True, inline="always")
 def _store(of, oh, okind, ob, o, Dv):
     """One output row: float32, or rounded to bf16 / fp16 (round to nearest even, like torch)."""
     if okind == 0:
