@@ -49,10 +49,10 @@ ITEMS_PER_THREAD = 4        # split long sequences until there are about this ma
 CHUNK_FLOATS = 32768        # keys per chunk = CHUNK_FLOATS // head dim (256 for D = 128), measured best
 PARALLEL_MIN_WORK = 16384   # keys x rows below which one thread does everything (no pool hand-off)
 # The kernels' software prefetches (decode_kernels.PREFETCH_POLICY) bet that K / V come from DRAM. A launch that
-# reads at most PREFETCH_MIN_BYTES of K / V runs without them: its data may well be cached (a call repeated),
-# where they only cost instructions. Zen 3, session 15, bf16, one query row per KV head, prefetch toggled in
-# process: the same call repeated, time with / without 0.80-0.87x at 512 KiB and 1 MiB, 0.70x at 2 MiB; a new
-# cache each call (from DRAM) level at 512 KiB and 1 MiB, 1.06-1.10x at 2 MiB, 1.08-1.18x at 128 MiB.
+# reads at most PREFETCH_MIN_BYTES of K / V runs without them: its data may well be cached (a call repeated), where
+# they only cost instructions. Zen 3, session 15, bf16, one query row per KV head, prefetch toggled in process: the
+# same call repeated, time without / with 0.80-0.98x at 512 KiB, 0.74-0.85x at 1 MiB, 0.62-0.75x at 2 MiB; a new
+# cache each call (from DRAM) level at 512 KiB and 1 MiB, 1.02-1.32x at 2 MiB, 1.08-1.18x at 128 MiB.
 PREFETCH_MIN_BYTES = 1 << 20
 PREFILL_ROWS = 128          # Q_S > 1 with more rows per KV head than this: prefer the prefill backend
 PREFILL_PRIORITY = PrefillBackend.priority

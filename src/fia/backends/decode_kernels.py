@@ -976,7 +976,8 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
                           n - n0 if pf else 0, v_row, v_es)
             elif i8_qk:
                 qk_i8(q2.ctypes.data, q2.shape[1] * 2, kbuf.ctypes.data, koff.ctypes.data, n, s.ctypes.data,
-                      s.shape[1], R, D, isc.ctypes.data, vbuf.ctypes.data, voff.ctypes.data, n if pf else 0, v_row, v_es)
+                      s.shape[1], R, D, isc.ctypes.data, vbuf.ctypes.data, voff.ctypes.data, n if pf else 0, v_row,
+                      v_es)
             elif fma_qk or generic is None:
                 # (the build without generic paths: numba prunes every other branch when `generic` is None,
                 # which keeps the first-call compile time down)
