@@ -236,6 +236,8 @@ def _kernel_names(K, launch: "_Launch") -> str:
         if ahead:
             how.append(f"rows ahead: {', '.join(ahead)}")
         parts.append("software prefetch" + (f" ({'; '.join(how)})" if how else ""))
+    elif K.DP_FLAGS & K.DP_PREFETCH and not launch.ip[K.IP_DP] & K.DP_PREFETCH:
+        parts.append(f"no software prefetch (at most {PREFETCH_MIN_BYTES >> 10} KiB of K / V: likely cached)")
     return ", ".join(parts)
 
 
