@@ -153,6 +153,8 @@ def test_explain_names_the_decode_kernels(monkeypatch):
     # a call reading at most PREFETCH_MIN_BYTES of K / V runs without the prefetches (its data may be cached)
     assert _kernel_line(q, k, v) == (f"kernels: QK {dp}, PV {dp}, no software prefetch (at most "
                                      f"{DEC.PREFETCH_MIN_BYTES >> 10} KiB of K / V: likely cached)")
+    assert _kernel_line(q[..., :40].contiguous(), k[..., :40].contiguous(), v[..., :40].contiguous()) == (
+        "kernels: QK generic float32 loops, PV generic float32 loops")      # (never prefetch: nothing to say)
     monkeypatch.setattr(DEC, "PREFETCH_MIN_BYTES", -1)            # the small calls below prefetch as large ones
     monkeypatch.setattr(K, "DP_FLAGS", kernels | K.PREFETCH_POLICIES["nta+ahead"])
     assert _kernel_line(q, k, v) == f"kernels: QK {dp}, PV {dp}, software prefetch (nta; rows ahead: K, V)"

@@ -230,13 +230,14 @@ def _kernel_names(K, launch: "_Launch") -> str:
         return f"{step} generic float32 loops"
     parts = [one("QK", K.KF_DP_QK, K.KF_I8_QK, K.KF_FMA_QK, K.KF_AMX_QK, K.KF_EO_QK),
              one("PV", K.KF_DP_PV, K.KF_I8_PV, K.KF_FMA_PV, K.KF_AMX_PV, K.KF_EO_PV)]
-    if f & K.KF_PREFETCH and f & (K.KF_DP_QK | K.KF_I8_QK | K.KF_FMA_QK):
+    ir = f & (K.KF_DP_QK | K.KF_I8_QK | K.KF_FMA_QK)        # (the generic loops never prefetch)
+    if f & K.KF_PREFETCH and ir:
         how = ["nta" if f & K.KF_NTA else "t1"]
         ahead = [n for n, b in (("K", K.KF_AHEAD_K), ("V", K.KF_AHEAD_V)) if f & b]
         if ahead:
             how.append(f"rows ahead: {', '.join(ahead)}")
         parts.append("software prefetch" + (f" ({'; '.join(how)})" if how else ""))
-    elif K.DP_FLAGS & K.DP_PREFETCH and not launch.ip[K.IP_DP] & K.DP_PREFETCH:
+    elif ir and K.DP_FLAGS & K.DP_PREFETCH and not launch.ip[K.IP_DP] & K.DP_PREFETCH:
         parts.append(f"no software prefetch (at most {PREFETCH_MIN_BYTES >> 10} KiB of K / V: likely cached)")
     return ", ".join(parts)
 
