@@ -120,6 +120,7 @@ def _addr(t: Optional[torch.Tensor]):
 
 
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3, torch.int32: 4}
+_KIND_BYTES = {0: 4.0, 1: 2.0, 2: 2.0, 3: 1.0, 4: 0.5}     # bytes per element of a kind (int4: 8 per int32)
 _FUSED_KIND = {1: True, 2: True, 3: True}                  # bf16, fp16, int8: fused QK / PV kernels
 
 
@@ -495,8 +496,7 @@ def _launch_plan(src: "_Source", ip: list, K, work: np.ndarray, w0: int, w1: int
 def _dp_flags(K, ip, keys: int, H: int) -> int:
     """ip[IP_DP] of a launch over `keys` keys x H KV heads (its K / V kinds in ip): DP_FLAGS, without the
     prefetch bits when it reads at most PREFETCH_MIN_BYTES of K / V."""
-    size = {K.KIND_F32: 4.0, K.KIND_I8: 1.0, K.KIND_I4: 0.5}        # bytes per element (others: 2)
-    per_key = sum(ip[d] * size.get(int(ip[kind]), 2.0)
+    per_key = sum(ip[d] * _KIND_BYTES[int(ip[kind])]
                   for d, kind in ((K.IP_D, K.IP_K_KIND), (K.IP_DV, K.IP_V_KIND), (K.IP_DR, K.IP_R_KIND)))
     if keys * H * per_key <= PREFETCH_MIN_BYTES:
         return K.DP_FLAGS & ~(K.DP_PREFETCH | K.DP_NTA | K.DP_AHEAD)

@@ -794,7 +794,7 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
           isc, generic):
     """The items of `items` (w * KV_N + h) this thread claims through `counter`, one after another. The
     claim loop is here, not in the caller: numba reference-counts every array argument of a call (an atomic
-    add at entry and exit), and per item the ~47 arrays of this function were ~100 atomics, ~0.7 us per item
+    add at entry and exit), and per item the ~47 arrays of this function were ~100 atomics, ~0.5 us per item
     (a quarter of the kernel time of issue 7's small call, perf samples in NRT_incref / NRT_decref)."""
     H = ip[IP_H]
     # views and flags of the launch, made once: each array view is an allocation and reference counts
@@ -1110,7 +1110,6 @@ def attend_items(items, counter, ip, fp, geo, work, tbl, bufs, kchan, kt_tbl, vt
     scheduling, so a thread that loses its core to another process does not hold up the call.
     Buffers come as (address, bytes) in `bufs` (see BUF_*). `generic`: None compiles (and runs) only
     the fused bf16 / fp16 / int8 paths; an array (any) adds float32, int4 and MLA-rope K/V."""
-    H = ip[IP_H]
     R = ip[IP_R]
     dq = ip[IP_D] + ip[IP_DR]
     Dv = ip[IP_DV]
