@@ -156,7 +156,6 @@ def test_explain_names_the_decode_kernels(monkeypatch):
     assert _kernel_line(q[..., :40].contiguous(), k[..., :40].contiguous(), v[..., :40].contiguous()) == (
         "kernels: QK generic float32 loops, PV generic float32 loops")      # (never prefetch: nothing to say)
     monkeypatch.setattr(DEC, "PREFETCH_MIN_BYTES", -1)            # the small calls below prefetch as large ones
-    monkeypatch.setattr(K, "DP_FLAGS", kernels | K.PREFETCH_POLICIES["nta+ahead"])
     assert _kernel_line(q, k, v) == f"kernels: QK {dp}, PV {dp}, software prefetch (nta; rows ahead: K, V)"
     assert _kernel_line(q.half(), k.half(), v.half()) == (
         "kernels: QK float32 FMA, PV float32 FMA, software prefetch (nta; rows ahead: K, V)")
