@@ -23,9 +23,9 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .decode_simd import (F32, I16, I32, I64, KIND_BF16, KIND_FP16, KIND_I8, V16F, ZERO16, QKOp, _c, _declare,
-                          _first_only, _gep, _hsum_tree, _load, _other_stream, _outlined, _prefetch_ahead,
+                          _first_only, _gep, _load, _other_stream, _outlined, _prefetch_ahead,
                           _prefetch_rows, _ptr, _pv_row_blocks, _qk_blocks, _qk_kernel, _row_blocks, _shared,
-                          _splat, _store, _sums_of, _switch, _var, target_has)
+                          _splat, _store, _store_scores, _switch, _var, target_has)
 
 F16C = platform.machine().lower() in ("aarch64", "arm64") or target_has("f16c")
 # CPUs without AVX-512 have 16 vector registers of 8 floats: there LLVM splits each <16 x float> of the
@@ -184,17 +184,7 @@ def _qk_narrow(b, op, qa, q_rs, ka, offp, sa, s_rs, R, n, D, x, eo=False):
             else:
                 for k in range(ND // 2 if eo else ND):
                     chunk(_c(k))
-            sums = _sums_of(b, *_hsum_tree(b, [op.to_float(b, b.load(accs[r][j]))
-                                                 for r in range(NR) for j in range(NC)], 8))
-            v = ir.Constant(_vec(F32, NR * NC), None)          # row-major, as op.finish takes them
-            for i, val in enumerate(sums):
-                v = b.insert_element(v, val, ir.Constant(I32, i))
-            v = op.finish(b, r0, NR, NC, v)
-            for r in range(NR):
-                row = _ptr(b, b.add(s0, b.mul(_c(4), b.mul(s_rs, _c(r)))), F32)
-                for j in range(NC):
-                    b.store(b.extract_element(v, ir.Constant(I32, r * NC + j)), _gep(b, row, b.add(c, _c(j))),
-                            align=4)
+            _store_scores(b, op, accs, NR, NC, r0, s0, s_rs, c, 8)
 
         _qk_blocks(b, qa, q_rs, sa, s_rs, R, n, x, block, lambda NR: 8 // NR, None)
     _switch(b, nd, (128 // per,), variant, None)

@@ -77,7 +77,6 @@ _V8I = ir.VectorType(I32, 8)
 _V8F = ir.VectorType(F32, 8)
 _V16H = ir.VectorType(I16, 16)
 _V16B = ir.VectorType(ir.IntType(8), 16)
-_V8B = ir.VectorType(ir.IntType(8), 8)
 
 
 def _pmadd8(b, acc, x, y):
@@ -151,7 +150,10 @@ def _pv_op(b, wsa, r0):
     return PVOp(1, _widen_i8, _dpw, acc_in, acc_out, 512)
 
 
-_PAIR_BYTES = [x for i in range(8) for x in (i, 8 + i)]      # bytes of two rows' 8 channels, interleaved
+# two rows' 16 channels interleaved byte by byte, channels 0-7 and 8-15 (`vpunpcklbw` / `vpunpckhbw`: one
+# 16-byte load per row for two chunks; Zen 3, pv_i8 in L2, ns per key: 4 rows 0.91-0.95x, 1-2 rows 0.83-0.91x of
+# an 8-byte load per row and chunk)
+_PAIR_BYTES = [[x for i in range(h, h + 8) for x in (i, 16 + i)] for h in (0, 8)]
 
 
 def _pv_narrow_i8(b, wa, w_rs, va, offp, n, aa, a_rs, R, Dv, wsa, x):
@@ -180,9 +182,10 @@ def _pv_narrow_i8(b, wa, w_rs, va, offp, n, aa, a_rs, R, Dv, wsa, x):
                 rb = _gep(b, vbase, b.add(b.load(_gep(b, offp, b.add(c, _c(1 if second else 0)))), dbyte))
                 _prefetch_rows(b, xg, c, 2)
                 _prefetch_ahead(b, xg, va, offp, n, Dv, _c(1), c, 2)
-                pairs = [b.sext(_shuffle(b, _load(b, _gep(b, ra, _c(8 * ch)), _V8B),
-                                         _load(b, _gep(b, rb, _c(8 * ch)), _V8B), _PAIR_BYTES), _V16H)
-                         for ch in range(DG)]
+                pairs = []                   # 16 bytes of each row -> two chunks of interleaved pairs
+                for ch in range(0, DG, 2):
+                    la, lb = (_load(b, _gep(b, p, _c(8 * ch)), _V16B) for p in (ra, rb))
+                    pairs += [b.sext(_shuffle(b, la, lb, half), _V16H) for half in _PAIR_BYTES]
                 for r in range(NR):
                     pp = _gep(b, _ptr(b, p0), b.add(b.mul(w_rs, _c(r)), b.mul(c, _c(2))))
                     w = b.load(b.bitcast(pp, I32.as_pointer()), align=2)
