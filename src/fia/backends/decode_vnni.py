@@ -151,7 +151,7 @@ def _pv_op(b, wsa, r0):
 
 
 # two rows' 16 channels interleaved byte by byte, channels 0-7 and 8-15 (`vpunpcklbw` / `vpunpckhbw`: one
-# 16-byte load per row for two chunks; Zen 3, pv_i8 in L2, ns per key: 4 rows 0.91-0.95x, 1-2 rows 0.83-0.91x of
+# 16-byte load per row for two chunks; Zen 3, pv_i8 in L2, ns per key: 4 rows 0.91-0.98x, 1-2 rows 0.83-0.91x of
 # an 8-byte load per row and chunk)
 _PAIR_BYTES = [[x for i in range(h, h + 8) for x in (i, 16 + i)] for h in (0, 8)]
 
