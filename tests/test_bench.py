@@ -73,6 +73,26 @@ def test_unsupported_is_reported_not_raised(monkeypatch):
     assert rec["reference"]["status"].startswith("n/a:")
 
 
+def test_memory_probe_is_a_call_that_compiled_nothing():
+    """A call that compiles numba code (a cold kernel cache: the backend's kernels, then a replay's launch) is
+    not the memory probe: the guard calls again, at most three times; otherwise two calls."""
+    numba = pytest.importorskip("numba")
+    calls = []
+
+    def fn(compiling):
+        calls.append(None)
+        if len(calls) <= compiling:                          # a new function each time: numba compiles it
+            numba.njit(lambda x, k=len(calls): x + k)(1)
+        return torch.zeros(1)
+
+    for compiling, want in ((0, 2), (1, 2), (2, 3), (5, 3)):
+        calls.clear()
+        out, info, status = runner._guard(fia, lambda: fn(compiling))
+        assert status is None and len(calls) == want, (compiling, len(calls))
+        assert info["warm_call_s"] is not None
+        assert info["peak_mb"] is None or info["peak_mb"] >= 0
+
+
 def test_wrong_answer_is_not_timed(monkeypatch):
     real = fia.npu_fused_infer_attention_score
 
