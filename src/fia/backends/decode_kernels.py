@@ -48,7 +48,7 @@ from .decode_vnni import HAS_VNNI, I8_DOT, QK_MAX_D, pv_i8, qk_i8
 
 # the hash of the files whose IR these kernels embed: numba caches on this file's bytes alone
 # (kernel_sources.py; tests/test_kernel_cache.py names the new value when one of them changes)
-SOURCES_SHA = "3caac8ccd17a81c7"
+SOURCES_SHA = "2b2e373eba6a441a"
 
 # ip[IP_DP] of a call (kernel choice): the bf16 dp kernels where the CPU has AVX512-BF16 (decode_simd.HAS_DP),
 # the other stream prefetched by the IR kernels (DP_NTA: with prefetchnta, not prefetcht1: session 8, two
@@ -797,29 +797,42 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
     add at entry and exit), and per item the ~47 arrays of this function were ~100 atomics, ~0.5 us per item
     (a quarter of the kernel time of issue 7's small call, perf samples in NRT_incref / NRT_decref)."""
     H = ip[IP_H]
-    # views and flags of the launch, made once: each array view is an allocation and reference counts
+    # views, constants and flags of the launch, made once (each array view is an allocation and reference counts)
     q8, q16, q32, qfl = views(qbuf)
     kf_ = kernel_flags(ip)
     q2i = q2.view(np.int16)
     p2i = p2.view(np.int16)
+    R0 = ip[IP_R0]
+    BPG = ip[IP_BPG]
+    R = ip[IP_R]
+    B = ip[IP_B]
+    G = ip[IP_G]
+    QS = ip[IP_QS]
+    D = ip[IP_D]
+    Dr = ip[IP_DR]
+    Dv = ip[IP_DV]
+    dq = D + Dr
+    C = ip[IP_C]
+    bs = ip[IP_BS]
+    scale = np.float32(fp[0])
+    kc_mode = ip[IP_KC_MODE]
+    dp_qk = (kf_ & KF_DP_QK) != 0
+    dp_pv = (kf_ & KF_DP_PV) != 0
+    amx_qk = (kf_ & KF_AMX_QK) != 0
+    amx_pv = (kf_ & KF_AMX_PV) != 0
+    pf = (kf_ & KF_PREFETCH) != 0
+    i8_qk_kernels = (kf_ & KF_I8_QK) != 0
+    i8_pv = (kf_ & KF_I8_PV) != 0
+    fma_qk = (kf_ & KF_FMA_QK) != 0
+    fma_pv = (kf_ & KF_FMA_PV) != 0
+    eo_qk = (kf_ & KF_EO_QK) != 0
+    eo_pv = (kf_ & KF_EO_PV) != 0
     while True:
         it = claim(items, counter)
         if it < 0:
             break
         w = it // H
         h = it % H
-        R0 = ip[IP_R0]
-        BPG = ip[IP_BPG]
-        R = ip[IP_R]
-        B = ip[IP_B]
-        G = ip[IP_G]
-        QS = ip[IP_QS]
-        D = ip[IP_D]
-        Dr = ip[IP_DR]
-        Dv = ip[IP_DV]
-        dq = D + Dr
-        C = ip[IP_C]
-        bs = ip[IP_BS]
         i = work[0, w]
         lo = work[1, w]
         hi = work[2, w]
@@ -842,19 +855,7 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
         # q = query * scale (* dequant_scale_query) (* per-channel key scale); rows outside the query
         # window stay 0 (never computed, merge writes their 0 / +inf).
         # (scratch: qv [R, dq], qa / qs [R]; rb / rn / rs [R]: batch, query head, physical row of a row)
-        scale = np.float32(fp[0])
-        kc_mode = ip[IP_KC_MODE]
-        dp_qk = (kf_ & KF_DP_QK) != 0
-        dp_pv = (kf_ & KF_DP_PV) != 0
-        amx_qk = (kf_ & KF_AMX_QK) != 0
-        amx_pv = (kf_ & KF_AMX_PV) != 0
-        pf = (kf_ & KF_PREFETCH) != 0
-        i8_qk = (kf_ & KF_I8_QK) != 0
-        i8_pv = (kf_ & KF_I8_PV) != 0
-        fma_qk = (kf_ & KF_FMA_QK) != 0
-        fma_pv = (kf_ & KF_FMA_PV) != 0
-        eo_qk = (kf_ & KF_EO_QK) != 0
-        eo_pv = (kf_ & KF_EO_PV) != 0
+        i8_qk = i8_qk_kernels                  # (per item: cleared below when its query holds a NaN or an inf)
         for r in range(R):
             bl = r // R0
             b = i * BPG + bl
