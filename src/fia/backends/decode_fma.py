@@ -39,6 +39,13 @@ NARROW = not target_has("avx512f")
 # once per item, PV with accumulators whose 16-channel groups hold the even channels, then the odd ones
 # (decode_kernels._items puts them back). Exact: the same products, only summed in another order.
 KIND_BF16_EO = 5
+# Keys per QK block of NR query rows (_qk_narrow; 8 // NR where not listed). Elements widened one chunk at a time
+# (fp16 `vcvtph2ps`, int8) take 4 rows x 3 keys (12 accumulators, 15 of the 16 registers, no spills): fp16 QK
+# in L2 at 4 / 8 rows 0.89-0.93x per key (session 17, in-process A/B, results bitwise equal); 2 rows x 5 keys
+# 0.93x, x 6 spills (1.25x). bf16 even / odd halves stay at 4 x 2: their widened halves need 2 more registers
+# (4 x 3: 1.19-1.26x), and so does qk_i8 (decode_vnni: 4 x 3 level, 0.99-1.02x).
+QK_NC_WIDENED = {4: 3, 2: 5}
+QK_NC_EO = None
 
 
 def _kinds() -> tuple:
@@ -123,7 +130,7 @@ def qk_fma(typingctx, qaddr, q_rs, kaddr, kind, offaddr, n, saddr, s_rs, R, D, x
             if NARROW:
                 eo = kind == KIND_BF16_EO
                 _qk_narrow(b, _qk_narrow_op(KIND_BF16 if eo else kind), qa, qrs, ka, offp, sa, srs, R_, n_, D_, x,
-                           eo)
+                           eo, QK_NC_EO if eo else QK_NC_WIDENED)
             else:
                 _qk_kernel(b, _qk_op(kind), qa, qrs, ka, offp, sa, srs, R_, n_, D_, x, 16, (8,))
         _switch(b, kd, _kinds(), emit, KIND_BF16)
@@ -141,9 +148,9 @@ def _qk_narrow_op(kind: int) -> QKOp:
                 lambda b, r0, NR, NC, v: v)
 
 
-def _qk_narrow(b, op, qa, q_rs, ka, offp, sa, s_rs, R, n, D, x, eo=False):
+def _qk_narrow(b, op, qa, q_rs, ka, offp, sa, s_rs, R, n, D, x, eo=False, nc=None):
     """A QK kernel's body on 8-lane accumulators (qk_fma here, decode_vnni.qk_i8): blocks of NR query rows
-    (4, 2, 1) x 8 / NR keys (8 accumulators: two pipes of 4-cycle latency need 8 independent chains), D in
+    (4, 2, 1) x nc[NR] keys (default 8 / NR: 8 accumulators, as two pipes of 4-cycle latency need), D in
     chunks of op.kstep / op.es elements; each query chunk is loaded once for the block's keys (their rows are
     read side by side). D = 128 is straight-line code, other D a loop over the chunks. eo: bf16 keys widened in
     even / odd halves, chunks 2i and 2i + 1 from one load, against a query de-interleaved alike (KIND_BF16_EO)."""
@@ -186,7 +193,7 @@ def _qk_narrow(b, op, qa, q_rs, ka, offp, sa, s_rs, R, n, D, x, eo=False):
                     chunk(_c(k))
             _store_scores(b, op, accs, NR, NC, r0, s0, s_rs, c, 8)
 
-        _qk_blocks(b, qa, q_rs, sa, s_rs, R, n, x, block, lambda NR: 8 // NR, None)
+        _qk_blocks(b, qa, q_rs, sa, s_rs, R, n, x, block, lambda NR: (nc or {}).get(NR, 8 // NR), None)
     _switch(b, nd, (128 // per,), variant, None)
 
 
@@ -222,13 +229,16 @@ def _pv_pass(b, kind, NR, DG, p0, p_rs, vaddr, offp, n, a0, a_rs, g, x, vrow, la
             _store(b, b.load(accs[r][ch]), _gep(b, arow, _c(4 * lanes * ch)), 4)
 
 
-def _pv_passes(b, kind, NR, DG, r0, pa, p_rs, va, offp, n, aa, a_rs, R, Dv, x, lanes, block_rows):
-    """Rows r0 .. r0 + NR - 1 (one of the row blocks of block_rows rows): Dv / (lanes DG) _pv_pass passes,
-    the first of which prefetches the row block's share of the other stream."""
-    with cgutils.for_range(b, b.udiv(Dv, _c(lanes * DG))) as g:
+def _pv_passes(b, kind, NR, DG, r0, pa, p_rs, va, offp, n, aa, a_rs, R, Dv, x, lanes, block_rows, g0=None,
+               count=None):
+    """Rows r0 .. r0 + NR - 1 (one of the row blocks of block_rows rows): Dv / (lanes DG) _pv_pass passes
+    (or `count` of them from channel group g0), the first of which prefetches the row block's share of the
+    other stream."""
+    with cgutils.for_range(b, count if count is not None else b.udiv(Dv, _c(lanes * DG))) as loop:
+        g = loop.index if g0 is None else b.add(g0, loop.index)
         _pv_pass(b, kind, NR, DG, b.add(pa, b.mul(r0, p_rs)), p_rs, va, offp, n,
-                 b.add(aa, b.mul(_c(4), b.mul(r0, a_rs))), a_rs, g.index,
-                 _first_only(b, _shared(b, x, r0, R, block_rows), g.index), b.mul(Dv, _c(_esize(kind))), lanes)
+                 b.add(aa, b.mul(_c(4), b.mul(r0, a_rs))), a_rs, g,
+                 _first_only(b, _shared(b, x, r0, R, block_rows), g), b.mul(Dv, _c(_esize(kind))), lanes)
 
 
 def _pv_narrow(b, kind, pa, p_rs, va, offp, n, aa, a_rs, R, Dv, x):
@@ -237,6 +247,17 @@ def _pv_narrow(b, kind, pa, p_rs, va, offp, n, aa, a_rs, R, Dv, x):
     def rows_of(NR, r0):
         def passes(DG):
             _pv_passes(b, kind, NR, DG, r0, pa, p_rs, va, offp, n, aa, a_rs, R, Dv, x, 8, 4)
+
+        if NR == 4 and kind != KIND_BF16_EO:
+            # widened one chunk at a time (fp16, int8): 4 rows x 3 chunks (12 accumulators, as QK_NC_WIDENED),
+            # passes of 24 channels, then the rest 8 at a time. fp16 PV in L2 at 4 / 8 rows 0.83-0.86x per key,
+            # int8 0.95x (session 17, in-process A/B, bitwise equal); bf16 even / odd halves come in pairs of
+            # chunks (4 x 2), and widened plainly with 4 x 3 they ran 1.04-1.20x of that
+            n3 = b.udiv(Dv, _c(24))
+            _pv_passes(b, kind, NR, 3, r0, pa, p_rs, va, offp, n, aa, a_rs, R, Dv, x, 8, 4, _c(0), n3)
+            _pv_passes(b, kind, NR, 1, r0, pa, p_rs, va, offp, n, aa, a_rs, R, Dv, x, 8, 4, b.mul(n3, _c(3)),
+                       b.udiv(b.urem(Dv, _c(24)), _c(8)))
+            return
 
         def widest(DG):                                      # Dv % 16 == 0: DG = 2 always fits
             if DG <= 2:

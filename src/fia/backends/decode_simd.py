@@ -364,20 +364,36 @@ def _store_scores(b, op, accs, NR, NC, r0, s0, s_rs, c, lanes=16):
     """A QK block's scores: the lane sums of its NR x NC accumulators (op.to_float first), op.finish on them
     row-major, each row's NC scores in one store (keys c .. c + NC - 1 of score row r0 + r at s0 + 4 s_rs r)."""
     L = NR * NC
+    if NC & (NC - 1):             # 3 or 5 keys (decode_fma.QK_NC_WIDENED): a tree per row, padded with zeros
+        for r in range(NR):
+            vecs = [op.to_float(b, b.load(accs[r][j])) for j in range(NC)]
+            vecs += [ir.Constant(vecs[0].type, [0.0] * lanes)] * ((1 << (NC - 1).bit_length()) - NC)
+            _store_row(b, op.finish(b, b.add(r0, _c(r)), 1, NC, _as_vector(b, _sums_of(b, *_hsum_tree(
+                b, vecs, lanes))[:NC])), s0, s_rs, r, c)
+        return
     z, out = _hsum_tree(b, [op.to_float(b, b.load(accs[r][j])) for r in range(NR) for j in range(NC)], lanes)
     if all(out[i][1] == 1 for i in range(L)):               # as many sums as lanes: one vector, row-major
         v = _shuffle(b, z, z, [out[i][0] for i in range(L)])
     else:
-        v = ir.Constant(ir.VectorType(F32, L), None)
-        for i, val in enumerate(_sums_of(b, z, out)):
-            v = b.insert_element(v, val, ir.Constant(I32, i))
+        v = _as_vector(b, _sums_of(b, z, out))
     v = op.finish(b, r0, NR, NC, v)
     for r in range(NR):                 # not NC scalar extracts (narrow QK, Zen 3, in L2: 0.94-1.03x, median ~0.98)
-        row = b.add(s0, b.mul(_c(4), b.mul(s_rs, _c(r))))
-        p = _gep(b, _ptr(b, row), b.mul(c, _c(4)))
-        part = _shuffle(b, v, v, [r * NC + j for j in range(NC)]) if NC > 1 else b.extract_element(
-            v, ir.Constant(I32, r))
-        _store(b, part, p, align=4)
+        _store_row(b, _shuffle(b, v, v, [r * NC + j for j in range(NC)]) if NC > 1 else b.extract_element(
+            v, ir.Constant(I32, r)), s0, s_rs, r, c)
+
+
+def _as_vector(b, vals):
+    """Float values as one <len x float>."""
+    v = ir.Constant(ir.VectorType(F32, len(vals)), None)
+    for i, val in enumerate(vals):
+        v = b.insert_element(v, val, ir.Constant(I32, i))
+    return v
+
+
+def _store_row(b, part, s0, s_rs, r, c):
+    """Scores `part` (a float or a vector) of score row r (s_rs floats apart from s0) at key c."""
+    row = b.add(s0, b.mul(_c(4), b.mul(s_rs, _c(r))))
+    _store(b, part, _gep(b, _ptr(b, row), b.mul(c, _c(4))), align=4)
 
 
 def _qk_blocks(b, qa, q_rs, sa, s_rs, R, n, x, block, NC, preload):
