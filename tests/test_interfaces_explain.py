@@ -146,7 +146,7 @@ def test_explain_names_the_decode_kernels(monkeypatch):
     # without AVX512-BF16: float32 FMAs, bf16 widened in even / odd halves on 8-lane (AVX2) CPUs (DP_EO)
     dp = ("bf16 dot products (AVX512-BF16)" if K.HAS_DP else
           "float32 FMA (bf16 in even / odd halves)" if K.NARROW else "float32 FMA")
-    kernels = K.DP_FLAGS & ~(K.DP_PREFETCH | K.DP_NTA | K.DP_AHEAD)
+    kernels = K.DP_FLAGS & ~(K.DP_PREFETCH | K.DP_NTA | K.DP_AHEAD | K.DP_NO_PV_K)
     assert bool(kernels & K.DP_EO) == K.NARROW
     from fia.backends import decode as DEC
     monkeypatch.setattr(K, "DP_FLAGS", kernels | K.PREFETCH_POLICIES["nta+ahead"])
@@ -167,6 +167,8 @@ def test_explain_names_the_decode_kernels(monkeypatch):
         f"kernels: QK {i8}, PV {i8}, software prefetch (nta; rows ahead: K)")
     assert _kernel_line(q[..., :40].contiguous(), k[..., :40].contiguous(), v[..., :40].contiguous()) == (
         "kernels: QK generic float32 loops, PV generic float32 loops")
+    monkeypatch.setattr(K, "DP_FLAGS", kernels | K.PREFETCH_POLICIES["nta-v"])
+    assert _kernel_line(q, k, v) == f"kernels: QK {dp}, PV {dp}, software prefetch (nta; V rows only)"
     monkeypatch.setattr(K, "DP_FLAGS", kernels | K.PREFETCH_POLICIES["t1"])
     assert _kernel_line(q, k, v) == f"kernels: QK {dp}, PV {dp}, software prefetch (t1)"
     # 8 query rows per KV head: AMX tiles where the CPU has them (K.AMX_MIN_ROWS)
@@ -191,7 +193,8 @@ def _prefetch_policy_in_subprocess(value):
     env = dict(os.environ, FIA_DECODE_PREFETCH=value)
     code = ("import warnings; warnings.simplefilter('always')\n"
             "from fia.backends import decode_kernels as K\n"
-            "print(K.PREFETCH_POLICY, K.PREFETCH_DEFAULT, K.DP_FLAGS & (K.DP_PREFETCH | K.DP_NTA | K.DP_AHEAD))")
+            "print(K.PREFETCH_POLICY, K.PREFETCH_DEFAULT,"
+            " K.DP_FLAGS & (K.DP_PREFETCH | K.DP_NTA | K.DP_AHEAD | K.DP_NO_PV_K))")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     policy, default, bits = r.stdout.split()
@@ -199,15 +202,19 @@ def _prefetch_policy_in_subprocess(value):
 
 
 def test_decode_prefetch_policy_follows_the_cpu_and_the_environment():
-    """The software-prefetch policy of the decode kernels: by CPU vendor (AMD: nta + own rows ahead; others:
-    t1), FIA_DECODE_PREFETCH overrides it, and an unknown value warns (naming the variable and the choices)
+    """The software-prefetch policy of the decode kernels: by CPU (AMD with AVX-512: nta + own rows ahead; AMD
+    without: nta, V rows only; others: t1), FIA_DECODE_PREFETCH overrides it, and an unknown value warns (naming the variable and the choices)
     and keeps the default instead of breaking `import fia`."""
     pytest.importorskip("numba")
     from fia.backends import decode_kernels as K
     from fia.backends.decode_simd import target_has
-    assert K.PREFETCH_DEFAULT == ("nta+ahead" if target_has("sse4a") else "t1")
+    assert K.PREFETCH_DEFAULT == ("t1" if not target_has("sse4a") else
+                                  "nta+ahead" if target_has("avx512f") else "nta-v")
     assert K.PREFETCH_POLICIES["t1"] == K.DP_PREFETCH
     assert K.PREFETCH_POLICIES["nta+ahead"] == K.DP_PREFETCH | K.DP_NTA | K.DP_AHEAD
+    assert K.PREFETCH_POLICIES["nta-v"] == K.DP_PREFETCH | K.DP_NTA | K.DP_NO_PV_K
+    policy, default, bits, _ = _prefetch_policy_in_subprocess("nta-v")
+    assert (policy, bits) == ("nta-v", K.DP_PREFETCH | K.DP_NTA | K.DP_NO_PV_K)
     policy, default, bits, _ = _prefetch_policy_in_subprocess("t1+ahead")
     assert (policy, bits) == ("t1+ahead", K.DP_PREFETCH | K.DP_AHEAD)
     policy, default, bits, err = _prefetch_policy_in_subprocess("fast")

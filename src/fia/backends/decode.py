@@ -233,7 +233,7 @@ def _kernel_names(K, launch: "_Launch") -> str:
              one("PV", K.KF_DP_PV, K.KF_I8_PV, K.KF_FMA_PV, K.KF_AMX_PV, K.KF_EO_PV)]
     ir = f & (K.KF_DP_QK | K.KF_I8_QK | K.KF_FMA_QK)        # (the generic loops never prefetch)
     if f & K.KF_PREFETCH and ir:
-        how = ["nta" if f & K.KF_NTA else "t1"]
+        how = ["nta" if f & K.KF_NTA else "t1"] + ([] if f & K.KF_PV_K else ["V rows only"])
         ahead = [n for n, b in (("K", K.KF_AHEAD_K), ("V", K.KF_AHEAD_V)) if f & b]
         if ahead:
             how.append(f"rows ahead: {', '.join(ahead)}")
@@ -499,7 +499,7 @@ def _dp_flags(K, ip, keys: int, H: int) -> int:
     per_key = sum(ip[d] * _KIND_BYTES[int(ip[kind])]
                   for d, kind in ((K.IP_D, K.IP_K_KIND), (K.IP_DV, K.IP_V_KIND), (K.IP_DR, K.IP_R_KIND)))
     if keys * H * per_key <= PREFETCH_MIN_BYTES:
-        return K.DP_FLAGS & ~(K.DP_PREFETCH | K.DP_NTA | K.DP_AHEAD)
+        return K.DP_FLAGS & ~(K.DP_PREFETCH | K.DP_NTA | K.DP_AHEAD | K.DP_NO_PV_K)
     return K.DP_FLAGS
 
 

@@ -65,14 +65,24 @@ DP_QK, DP_PV, DP_PREFETCH, DP_I8, DP_NTA, DP_AHEAD, DP_AMX, DP_AMX_ANY = 1, 2, 4
 # DP_EO: the 8-lane FMA kernels (CPUs without AVX-512) widen bf16 K / V in even / odd halves
 # (decode_fma.KIND_BF16_EO): the query rows de-interleaved per 16 channels, PV's accumulators restored at the end
 DP_EO = 256
+# DP_NO_PV_K: PV does not request the next chunk's K rows (QK still requests its chunk's V rows): the "-v"
+# policies below. The hardware prefetchers stream QK's K rows read front to back, not PV's passes over V
+# (32 bytes per row per pass): session 17, Zen 3, kernels alone from DRAM (4 rows, bf16, ns per key): QK 24.7
+# against 19.5 in L2, PV 52.9 against 16.7. What PV requests of the next K chunk competes with its own misses.
+DP_NO_PV_K = 512
 # Which prefetch policy pays depends on the CPU (two threads, bench shapes, same code, GB/s):
 # * AMD Zen 5 (session 8): nta + ahead 37-43, t1 alone 33-36 -> "nta+ahead";
 # * Intel Xeon with AMX (sessions 7 and 9): t1 alone 20-22.6, t1 + ahead 19-20, nta 18-21, nta + ahead 8.3-8.9
 #   (prefetchnta lines land in L1 only there and are evicted before the use a chunk later), none 14.5-15 -> "t1".
-# The default follows the vendor (sse4a: AMD only); FIA_DECODE_PREFETCH overrides it.
+# * AMD Zen 3, AVX2 only (session 17; in process, alternating rounds, time against nta + ahead): nta-v bf16 two
+#   threads 0.93 (40 rounds) / 0.95 (30), one thread 0.90 (30); int8 0.96 / one thread 0.93; fp16 0.98; paged
+#   bf16 / fp16 1.04 / 0.97 (20); nta alone 1.04; the pipeline of the two kernels from DRAM 0.81-0.83 -> "nta-v".
+# The default follows the vendor (sse4a: AMD only) and, on AMD, AVX-512 (Zen 4 / 5 vs Zen 3); FIA_DECODE_PREFETCH
+# overrides it.
 PREFETCH_POLICIES = {"off": 0, "t1": DP_PREFETCH, "t1+ahead": DP_PREFETCH | DP_AHEAD,
-                     "nta": DP_PREFETCH | DP_NTA, "nta+ahead": DP_PREFETCH | DP_NTA | DP_AHEAD}
-PREFETCH_DEFAULT = "nta+ahead" if target_has("sse4a") else "t1"
+                     "nta": DP_PREFETCH | DP_NTA, "nta+ahead": DP_PREFETCH | DP_NTA | DP_AHEAD,
+                     "t1-v": DP_PREFETCH | DP_NO_PV_K, "nta-v": DP_PREFETCH | DP_NTA | DP_NO_PV_K}
+PREFETCH_DEFAULT = ("t1" if not target_has("sse4a") else "nta+ahead" if target_has("avx512f") else "nta-v")
 PREFETCH_POLICY = os.environ.get("FIA_DECODE_PREFETCH", "") or PREFETCH_DEFAULT
 if PREFETCH_POLICY not in PREFETCH_POLICIES:     # a typo must not break `import fia`: say so, keep the default
     warnings.warn(f"FIA_DECODE_PREFETCH: expected one of {', '.join(PREFETCH_POLICIES)}, got "
@@ -728,7 +738,8 @@ def eo_rows(x, R, D, tmp, back):
 
 # what kernel_flags reports (bits)
 (KF_DP_QK, KF_DP_PV, KF_I8_QK, KF_I8_PV, KF_FMA_QK, KF_FMA_PV, KF_PREFETCH, KF_NTA, KF_AHEAD_K, KF_AHEAD_V,
- KF_AMX_QK, KF_AMX_PV, KF_EO_QK, KF_EO_PV) = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+ KF_AMX_QK, KF_AMX_PV, KF_EO_QK, KF_EO_PV, KF_PV_K) = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096,
+                                                       8192, 16384)
 
 
 @njit(cache=True, inline="always")
@@ -780,6 +791,8 @@ def kernel_flags(ip):
         f |= KF_PREFETCH
         if (ip[IP_DP] & DP_NTA) != 0:              # with prefetchnta (see DP_NTA)
             f |= KF_NTA
+        if (ip[IP_DP] & DP_NO_PV_K) == 0:          # PV requests the next chunk's K rows (see DP_NO_PV_K)
+            f |= KF_PV_K
         if (ip[IP_DP] & DP_AHEAD) != 0:            # own rows ahead (see DP_AHEAD): QK, PV except int8 V
             f |= KF_AHEAD_K
             if v_kind != KIND_I8:
@@ -821,6 +834,7 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
     amx_qk = (kf_ & KF_AMX_QK) != 0
     amx_pv = (kf_ & KF_AMX_PV) != 0
     pf = (kf_ & KF_PREFETCH) != 0
+    pv_k = (kf_ & KF_PV_K) != 0
     i8_qk_kernels = (kf_ & KF_I8_QK) != 0
     i8_pv = (kf_ & KF_I8_PV) != 0
     fma_qk = (kf_ & KF_FMA_QK) != 0
@@ -1065,7 +1079,7 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
             if dp_pv or use_i8 or fma_pv or generic is None:
                 # the next chunk's K rows are requested on the way
                 nn = 0
-                if pf and c0 + C < hi:
+                if pv_k and c0 + C < hi:
                     nn = min(C, hi - c0 - C)
                     row_offsets(tbl, i, c0 + C, nn, bs, k_blk, h * k_h, k_s, knext)
                 if dp_pv:
