@@ -31,8 +31,8 @@ def _dp_variants():
     """Kernel choices (ip[IP_DP]) the suite runs under: this CPU's default (bf16 dot-product kernels where it
     has AVX512-BF16, float32 FMA IR kernels for the rest, its prefetch policy, AMX tiles for items of 8+ rows
     where it has AMX), the same kernels with every prefetch request (the other CPU vendor's policy: nta + own
-    rows ahead) and AMX tiles for every item, the FMA kernels alone (every
-    other CPU's bf16 path) and no prefetching."""
+    rows ahead) and AMX tiles for every item, the FMA kernels alone (every other CPU's bf16 path) with t1
+    requests of the V rows only (PV requesting nothing: the "-v" policies, DP_NO_PV_K) and no prefetching."""
     try:
         from fia.backends import decode_kernels as K
     except ImportError:                                   # numba missing: the backend is not registered
@@ -40,7 +40,7 @@ def _dp_variants():
     every = (K.DP_FLAGS & ~K.PREFETCH_POLICIES[K.PREFETCH_POLICY]) | K.PREFETCH_POLICIES["nta+ahead"]
     if K.HAS_AMX:                                     # AMX tiles for every item, not only from AMX_MIN_ROWS rows
         every |= K.DP_AMX_ANY
-    return sorted({K.DP_FLAGS, every, K.DP_PREFETCH, 0}, reverse=True)
+    return sorted({K.DP_FLAGS, every, K.PREFETCH_POLICIES["t1-v"], 0}, reverse=True)
 
 
 @pytest.fixture(autouse=True, params=_dp_variants(), ids=lambda v: f"dp{v}")
