@@ -198,7 +198,7 @@ def test_prefetch_bits_follow_the_bytes_read(monkeypatch):
     """A launch reading at most PREFETCH_MIN_BYTES of K / V (keys x KV heads x row bytes of its kinds) runs
     without the software prefetch bits of DP_FLAGS; a larger one keeps them, and the other bits stay."""
     from fia.backends import decode_kernels as K
-    pf = K.DP_PREFETCH | K.DP_NTA | K.DP_AHEAD | K.DP_NO_PV_K
+    pf = K.DP_PREFETCH_BITS
     monkeypatch.setattr(K, "DP_FLAGS", K.DP_FLAGS | pf)
     monkeypatch.setattr(DEC, "PREFETCH_MIN_BYTES", 1 << 20)
     ip = [0] * K.IP_LEN

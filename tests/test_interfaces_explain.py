@@ -146,7 +146,7 @@ def test_explain_names_the_decode_kernels(monkeypatch):
     # without AVX512-BF16: float32 FMAs, bf16 widened in even / odd halves on 8-lane (AVX2) CPUs (DP_EO)
     dp = ("bf16 dot products (AVX512-BF16)" if K.HAS_DP else
           "float32 FMA (bf16 in even / odd halves)" if K.NARROW else "float32 FMA")
-    kernels = K.DP_FLAGS & ~(K.DP_PREFETCH | K.DP_NTA | K.DP_AHEAD | K.DP_NO_PV_K)
+    kernels = K.DP_FLAGS & ~K.DP_PREFETCH_BITS
     assert bool(kernels & K.DP_EO) == K.NARROW
     from fia.backends import decode as DEC
     monkeypatch.setattr(K, "DP_FLAGS", kernels | K.PREFETCH_POLICIES["nta+ahead"])
@@ -193,8 +193,7 @@ def _prefetch_policy_in_subprocess(value):
     env = dict(os.environ, FIA_DECODE_PREFETCH=value)
     code = ("import warnings; warnings.simplefilter('always')\n"
             "from fia.backends import decode_kernels as K\n"
-            "print(K.PREFETCH_POLICY, K.PREFETCH_DEFAULT,"
-            " K.DP_FLAGS & (K.DP_PREFETCH | K.DP_NTA | K.DP_AHEAD | K.DP_NO_PV_K))")
+            "print(K.PREFETCH_POLICY, K.PREFETCH_DEFAULT, K.DP_FLAGS & K.DP_PREFETCH_BITS)")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     policy, default, bits = r.stdout.split()

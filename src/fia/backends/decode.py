@@ -499,7 +499,7 @@ def _dp_flags(K, ip, keys: int, H: int) -> int:
     per_key = sum(ip[d] * _KIND_BYTES[int(ip[kind])]
                   for d, kind in ((K.IP_D, K.IP_K_KIND), (K.IP_DV, K.IP_V_KIND), (K.IP_DR, K.IP_R_KIND)))
     if keys * H * per_key <= PREFETCH_MIN_BYTES:
-        return K.DP_FLAGS & ~(K.DP_PREFETCH | K.DP_NTA | K.DP_AHEAD | K.DP_NO_PV_K)
+        return K.DP_FLAGS & ~K.DP_PREFETCH_BITS
     return K.DP_FLAGS
 
 

@@ -45,7 +45,6 @@ KIND_BF16_EO = 5
 # 0.93x, x 6 spills (1.25x). bf16 even / odd halves stay at 4 x 2: their widened halves need 2 more registers
 # (4 x 3: 1.19-1.26x), and so does qk_i8 (decode_vnni: 4 x 3 level, 0.99-1.02x).
 QK_NC_WIDENED = {4: 3, 2: 5}
-QK_NC_EO = None
 
 
 def _kinds() -> tuple:
@@ -130,7 +129,7 @@ def qk_fma(typingctx, qaddr, q_rs, kaddr, kind, offaddr, n, saddr, s_rs, R, D, x
             if NARROW:
                 eo = kind == KIND_BF16_EO
                 _qk_narrow(b, _qk_narrow_op(KIND_BF16 if eo else kind), qa, qrs, ka, offp, sa, srs, R_, n_, D_, x,
-                           eo, QK_NC_EO if eo else QK_NC_WIDENED)
+                           eo, None if eo else QK_NC_WIDENED)
             else:
                 _qk_kernel(b, _qk_op(kind), qa, qrs, ka, offp, sa, srs, R_, n_, D_, x, 16, (8,))
         _switch(b, kd, _kinds(), emit, KIND_BF16)

@@ -48,7 +48,7 @@ from .decode_vnni import HAS_VNNI, I8_DOT, QK_MAX_D, pv_i8, qk_i8
 
 # the hash of the files whose IR these kernels embed: numba caches on this file's bytes alone
 # (kernel_sources.py; tests/test_kernel_cache.py names the new value when one of them changes)
-SOURCES_SHA = "bb7d0eca4c547ea3"
+SOURCES_SHA = "376b966b537ecf54"
 
 # ip[IP_DP] of a call (kernel choice): the bf16 dp kernels where the CPU has AVX512-BF16 (decode_simd.HAS_DP),
 # the other stream prefetched by the IR kernels (DP_NTA: with prefetchnta, not prefetcht1: session 8, two
@@ -82,6 +82,7 @@ DP_NO_PV_K = 512
 PREFETCH_POLICIES = {"off": 0, "t1": DP_PREFETCH, "t1+ahead": DP_PREFETCH | DP_AHEAD,
                      "nta": DP_PREFETCH | DP_NTA, "nta+ahead": DP_PREFETCH | DP_NTA | DP_AHEAD,
                      "t1-v": DP_PREFETCH | DP_NO_PV_K, "nta-v": DP_PREFETCH | DP_NTA | DP_NO_PV_K}
+DP_PREFETCH_BITS = DP_PREFETCH | DP_NTA | DP_AHEAD | DP_NO_PV_K     # every bit a policy sets
 PREFETCH_DEFAULT = ("t1" if not target_has("sse4a") else "nta+ahead" if target_has("avx512f") else "nta-v")
 PREFETCH_POLICY = os.environ.get("FIA_DECODE_PREFETCH", "") or PREFETCH_DEFAULT
 if PREFETCH_POLICY not in PREFETCH_POLICIES:     # a typo must not break `import fia`: say so, keep the default
