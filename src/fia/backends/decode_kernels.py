@@ -48,7 +48,7 @@ from .decode_vnni import HAS_VNNI, I8_DOT, QK_MAX_D, pv_i8, qk_i8
 
 # the hash of the files whose IR these kernels embed: numba caches on this file's bytes alone
 # (kernel_sources.py; tests/test_kernel_cache.py names the new value when one of them changes)
-SOURCES_SHA = "376b966b537ecf54"
+SOURCES_SHA = "02e34a187d0518bb"
 
 # ip[IP_DP] of a call (kernel choice): the bf16 dp kernels where the CPU has AVX512-BF16 (decode_simd.HAS_DP),
 # the other stream prefetched by the IR kernels (DP_NTA: with prefetchnta, not prefetcht1: session 8, two
