@@ -135,6 +135,17 @@ def test_key_separates_what_the_full_path_separates():
     assert replay.key_of("f", q, k, k, dict(base, atten_mask=torch.zeros(1, 1, 16, dtype=torch.bool))) is None
     assert replay.key_of("f", q, k, k, dict(base, actual_seq_lengths_kv=[16])) is None
     assert replay.key_of("f", torch.nn.Parameter(q.float()), k, k, base) is None
+    # dequantization tensors: keyed by their metadata, not their values; never with a lengths list
+    sc = torch.rand(2, 128)
+    kq = replay.key_of("f", q, k, k, dict(base, antiquant_scale=sc))
+    assert kq is not None and kq != key
+    assert replay.key_of("f", q, k, k, dict(base, antiquant_scale=torch.rand(2, 128))) == kq
+    assert replay.key_of("f", q, k, k, dict(base, antiquant_scale=sc.half())) != kq
+    assert replay.key_of("f", q, k, k, dict(base, antiquant_scale=sc.reshape(2, 4, 32))) != kq
+    assert replay.key_of("f", q, k, k, dict(base, antiquant_scale=sc.t().contiguous().t())) != kq
+    assert replay.key_of("f", q, k, k, dict(base, key_antiquant_scale=sc)) != kq
+    assert replay.key_of("npu_fused_infer_attention_score", q, k, k,
+                         dict(base, antiquant_scale=sc, actual_seq_lengths_kv=[16])) is None
 
 
 def test_forced_backend_and_mode_are_respected():
@@ -175,16 +186,71 @@ def test_stale_plan_takes_the_full_path(monkeypatch):
 
 
 def test_not_offered_where_other_data_are_read():
-    """A paged cache, int8 K/V with scales, a mask: no replay (they are never keyed or never offered)."""
+    """int8 K/V with per-token scales (read inside the loop), a mask: no replay (never keyed or never offered)."""
     B, N, KV_N, S, D = 1, 4, 4, 64, 64
     g = gen(9)
     q = randn((B, N, 1, D), g, torch.bfloat16)
     k8 = torch.randint(-100, 100, (B, KV_N, S, D), dtype=torch.int8)
-    sc = torch.rand(2, KV_N * D, generator=g).to(torch.bfloat16) + 0.5
-    for _ in range(3):
-        fia.npu_fused_infer_attention_score(q, k8, k8, num_heads=N, num_key_value_heads=KV_N, input_layout="BNSD",
-                                            antiquant_scale=sc, scale=0.125)
-    assert replay.stats == {"admitted": 0, "refused": 0, "replayed": 0}
+    tok = torch.rand(2, B, S, generator=g) + 0.5
+    mask = torch.rand(B, 1, 1, S, generator=g) < 0.2
+    for kw in (dict(antiquant_scale=tok, antiquant_mode=1), dict(atten_mask=mask)):
+        k = k8 if "antiquant_scale" in kw else randn((B, KV_N, S, D), g, torch.bfloat16)
+        for _ in range(3):
+            fia.npu_fused_infer_attention_score(q, k, k, num_heads=N, num_key_value_heads=KV_N, input_layout="BNSD",
+                                                scale=0.125, **kw)
+    assert replay.stats["admitted"] == 0 and replay.stats["replayed"] == 0
+
+
+def _antiquant_args(g, mode: str, KV_N: int, D: int, dt):
+    """Dequantization arguments of one kind (new values every call, the same metadata)."""
+    def pos(*shape):
+        return (torch.rand(*shape, generator=g) + 0.5).to(dt)
+
+    def off(*shape):
+        return torch.randn(*shape, generator=g).to(dt)
+    if mode == "chan":
+        return dict(antiquant_scale=pos(2, KV_N * D), antiquant_mode=0)
+    if mode == "chan-offset":
+        return dict(antiquant_scale=pos(2, KV_N, 1, D), antiquant_offset=off(2, KV_N, 1, D), antiquant_mode=0)
+    if mode == "tensor":
+        return dict(antiquant_scale=pos(2), antiquant_offset=off(2), antiquant_mode=0)
+    if mode == "sep-chan":
+        return dict(key_antiquant_scale=pos(KV_N, D), value_antiquant_scale=pos(KV_N, D),
+                    key_antiquant_offset=off(KV_N, D), value_antiquant_offset=off(KV_N, D))
+    if mode == "sep-head":
+        return dict(key_antiquant_scale=pos(KV_N), value_antiquant_scale=pos(KV_N), key_antiquant_mode=2,
+                    value_antiquant_mode=2)
+    raise AssertionError(mode)
+
+
+@pytest.mark.parametrize("mode,S", [("chan", 96), ("chan-offset", 96), ("tensor", 96), ("sep-chan", 96),
+                                    ("sep-head", 96), ("chan-offset", 2048)])
+@pytest.mark.parametrize("qdt", [torch.bfloat16, torch.float16])
+def test_antiquant_replay_equals_full_path_on_new_scales(mode, S, qdt):
+    """int8 K/V whose dequantization factors are per tensor / channel / head: replayed, each call's factors
+    taken from its own scale / offset tensors (new values every call, and one changed in place). 2048 keys:
+    the threaded launch (merge apart) where torch has two threads."""
+    B, N, KV_N, D = 2, 8, 2, 64
+    g = gen(11)
+    q0 = randn((B, N, 1, D), g, qdt)
+    base = dict(num_heads=N, num_key_value_heads=KV_N, input_layout="BNSD", scale=0.125)
+    served = 0
+    for step in range(5):
+        q = randn((B, N, 1, D), g, qdt) if step else q0
+        k8 = torch.randint(-128, 128, (B, KV_N, S, D), generator=g, dtype=torch.int8)
+        v8 = torch.randint(-128, 128, (B, KV_N, S, D), generator=g, dtype=torch.int8)
+        kw = dict(base, **_antiquant_args(g, mode, KV_N, D, qdt))
+        if step == 4:                                     # the same tensors again, one scale changed in place
+            kw = last
+            name = "antiquant_scale" if "antiquant_scale" in kw else "value_antiquant_scale"
+            kw[name].mul_(1.5)
+        want = full_path(fia.npu_fused_infer_attention_score, q, k8, v8, **kw)
+        before = replay.stats["replayed"]
+        got = fia.npu_fused_infer_attention_score(q, k8, v8, **kw)
+        served += replay.stats["replayed"] - before
+        assert bits_equal(got[0], want[0]) and bits_equal(got[1], want[1]), (mode, step)
+        last = kw
+    assert replay.stats["admitted"] == 1 and served >= 3
 
 
 def test_threads_share_a_replay():

@@ -7,8 +7,11 @@ key and value and returns exactly what the full path returns (fresh output tenso
 
 The key (`key_of`) is computed from the call as written: the entry point, query / key / value metadata
 (dtype, shape, strides; plain CPU tensors only), the keyword arguments passed (names, values, their types,
-the signs of floats), the validation mode, the forced backend and torch's thread count. Calls with any other
-tensor argument, or anything else, are never keyed: they always take the full path.
+the signs of floats), the validation mode, the forced backend and torch's thread count. The dequantization
+tensors of int8 / int4 K and V (`_TENSOR_ARGS`, without a lengths list) are keyed by their metadata and passed
+to the replay, which re-derives its factors from each call's tensors (decode: per-tensor, per-channel and
+per-head factors that are views of them; the trial below checks the first). Calls with any other tensor
+argument, or anything else, are never keyed: they always take the full path.
 
 The KV lengths list of a decode loop (`actual_seq_lengths_kv`; the incre entry's `actual_seq_lengths`) changes
 every step, so its values are not in the key, only its type and length: a replay of such a call is a
@@ -49,6 +52,10 @@ _KV_LENGTHS = {"npu_fused_infer_attention_score": "actual_seq_lengths_kv",
                "npu_incre_flash_attention": "actual_seq_lengths"}
 _SEQS = (list, tuple)
 _PADDING = ("query_padding_size", "kv_padding_size")
+# tensor arguments a replay takes from each call (keyed by their metadata; the backend decides whether it serves
+# the call: decode, per-tensor / channel / head dequantization factors that are views of these tensors)
+_TENSOR_ARGS = frozenset({"antiquant_scale", "antiquant_offset", "key_antiquant_scale", "key_antiquant_offset",
+                          "value_antiquant_scale", "value_antiquant_offset"})
 _SEEN: set = set()              # lengths-replay keys seen once (admitted the second time)
 _NEVER = object()               # a key that does not replay (no replay offered, or the trial differed)
 _TABLE: dict = {}               # key -> replay callable or _NEVER
@@ -73,18 +80,21 @@ def key_of(name: str, q, k, v, kw: dict) -> Optional[tuple]:
         return None
     vals = tuple(kw.values())
     types = tuple(map(type, vals))                     # (True is not 1, 1 is not 1.0)
-    lens = None
+    lens = tens = None
     if not _SCALARS.issuperset(types):
         lens = _KV_LENGTHS.get(name)
         lv = kw.get(lens)
-        if type(lv) not in _SEQS or any(kw.get(n) is not None for n in _PADDING):
+        if type(lv) not in _SEQS:                      # no lengths list: only _TENSOR_ARGS may be tensors
+            lens = lv = None
+        elif any(kw.get(n) is not None for n in _PADDING):
             return None
-        bt = kw.get("block_table")
+        bt = kw.get("block_table") if lv is not None else None
         keyed = []
-        for x in vals:
-            if x is lv:                                # the lengths' count, not their values
+        tens = []
+        for n, x in kw.items():
+            if lv is not None and x is lv:             # the lengths' count, not their values
                 x = len(x)
-            elif type(x) in _SEQS:                     # another lengths list (the query's): its values
+            elif lv is not None and type(x) in _SEQS:  # another lengths list (the query's): its values
                 x = tuple(x)
                 if not all(type(i) is int for i in x):
                     return None
@@ -92,14 +102,23 @@ def key_of(name: str, q, k, v, kw: dict) -> Optional[tuple]:
                 if type(x) is not _Tensor or not x.is_cpu or x.layout != torch.strided:
                     return None
                 x = (x.dtype, x.shape, x.stride())
+            elif type(x) is _Tensor and n in _TENSOR_ARGS:     # its metadata; the tensor goes to the replay
+                if not x.is_cpu or x.layout != torch.strided or x.requires_grad:
+                    return None
+                tens.append(n)
+                x = (x.dtype, x.shape, x.stride())
             elif type(x) not in _SCALARS:
                 return None
             keyed.append(x)
         vals = tuple(keyed)
+        tens = tuple(tens) or None
+        if tens is not None and lens is not None:      # (no replay takes both: not keyed)
+            return None
     signs = tuple(map(math.copysign, _ONES, compress(vals, map(is_, types, _FLOATS))))     # -0.0 vs 0.0
     try:
         return (name, q.dtype, q.shape, q.stride(), k.dtype, k.shape, k.stride(), v.dtype, v.shape, v.stride(),
-                tuple(kw), vals, types, signs, get_validation_mode(), get_backend(), torch.get_num_threads(), lens)
+                tuple(kw), vals, types, signs, get_validation_mode(), get_backend(), torch.get_num_threads(), tens,
+                lens)
     except RuntimeError:                               # a layout without strides
         return None
 
@@ -120,7 +139,9 @@ def run(key: tuple, q, k, v, kw: dict):
 def _replayed(r, key: tuple, q, k, v, kw: dict):
     """Replay r on a call: a lengths replay (key's last item: the lengths argument's name) also takes the
     call's lengths and block table."""
-    lens = key[-1]
+    tens, lens = key[-2:]
+    if tens is not None:                               # (never with lengths: the backend offers no such replay)
+        return r(q, k, v, extras=tuple(kw[n] for n in tens))
     return r(q, k, v) if lens is None else r(q, k, v, kw[lens], kw.get("block_table"))
 
 
@@ -159,7 +180,9 @@ def admit(key: tuple, ran, q, k, v, results: tuple, kw: dict) -> None:
     elif problem.memo_key is None:                 # not yet memoized: maybe the next time
         return
     make: Optional[Callable] = getattr(backend, "replay", None)
-    r = None if make is None else make(problem, q, k, v, lengths=lens is not None)
+    tens = key[-2]
+    extra = {} if tens is None else {"extras": tuple(kw[n] for n in tens)}
+    r = None if make is None else make(problem, q, k, v, lengths=lens is not None, **extra)
     got = None if r is None else _replayed(r, key, q, k, v, kw)
     ok = got is not None and _same(got[:len(results)], results)
     if len(_TABLE) >= _MAX:

@@ -191,15 +191,24 @@ class DecodeBackend(Backend):
     def run(self, p: AttentionProblem) -> BackendResult:
         return _run(p, _kernels())
 
-    def replay(self, p: AttentionProblem, query, key, value, lengths: bool = False) -> Optional["_Replay"]:
+    def replay(self, p: AttentionProblem, query, key, value, lengths: bool = False,
+               extras: tuple = ()) -> Optional["_Replay"]:
         """fia.replay's prepared launch of p's call (query, key, value as passed), or None where the call
         reads more than those three tensors' data (or writes through the shared epilogue's Python).
         lengths: the call's KV lengths list varies between the calls it will serve (right padding: every
-        batch's keys from position 0); the launch is then re-planned per lengths (_relength)."""
+        batch's keys from position 0); the launch is then re-planned per lengths (_relength). extras: the
+        call's dequantization tensors (fia.replay._TENSOR_ARGS): int8 K / V with per-tensor, per-channel or
+        per-head factors that are views of them are served (the factors re-derived from each call's)."""
         if lengths and (p.mask.kind == "band" or any(g.kv_lo != 0 or g.prefix != 0 for g in p.geometry)):
             return None
+        aq = p.antiquant
+        views = None
+        if aq is not None:
+            if (lengths or aq.int4 or aq.key.per_token or aq.value.per_token
+                    or (views := _views_of(aq, extras)) is None):
+                return None
         if ((p.memo_key is None and not lengths) or p.kv.kind not in (("dense", "paged") if lengths else ("dense",))
-                or p.antiquant is not None or p.pse is not None
+                or p.pse is not None
                 or p.mask.user_mask is not None or p.query_rope is not None or p.query_dequant is not None
                 or p.prefix is not None or p.sink is not None or p.out_quant is not None or p.full_quant is not None
                 or p.kv.key_rope is not None or p.packed or min(query.numel(), key.numel(), value.numel()) == 0
@@ -212,7 +221,7 @@ class DecodeBackend(Backend):
         plan = _plan_of(p, x, K)
         if plan.prefix is not None or len(plan.own) != 1 or plan.own[0] is None:
             return None
-        return _Replay(p, x, plan, K, (query, key, value), lengths)
+        return _Replay(p, x, plan, K, (query, key, value), lengths, views)
 
 
 def _kernel_names(K, launch: "_Launch") -> str:
@@ -293,28 +302,72 @@ class _Inputs:
         return bufs
 
 
-def _chan_modes(p: AttentionProblem):
-    """Modes of the key's and the value's dequant factors applied outside the loop (tensor / channel /
-    head: key folded into the query, value in merge): 0 per token, 1 scale, 2 scale and offset."""
-    aq = p.antiquant
+def _chan_modes(aq):
+    """Modes of the key's and the value's dequant factors (aq: an AntiQuant) applied outside the loop (tensor /
+    channel / head: key folded into the query, value in merge): 0 per token, 1 scale, 2 scale and offset."""
     return tuple(0 if s.per_token else 1 + (s.offset is not None) for s in (aq.key, aq.value))
 
 
 def _dequant_factors(p: AttentionProblem):
     """kchan [modes, KV_N, D] (scale, offset), vcs / vco [KV_N, Dv] float32 (dummies where absent)."""
-    aq, H = p.antiquant, p.KV_N
-    kchan, vcs, vco = _dummy(np.float32, 3), _dummy(np.float32, 2), _dummy(np.float32, 2)
+    aq = p.antiquant
     if aq is None:
-        return kchan, vcs, vco
-    kmode, vmode = _chan_modes(p)
+        return _no_factors()
+    return _factor_arrays(_factor_meta(p), (aq.key.scale, aq.key.offset, aq.value.scale, aq.value.offset))
+
+
+def _factor_meta(p: AttentionProblem) -> tuple:
+    """What _factor_arrays needs of p besides the tensors: granularities, modes (_chan_modes), KV_N, D, Dv."""
+    aq = p.antiquant
+    return (aq.key.granularity, aq.value.granularity) + _chan_modes(aq) + (p.KV_N, p.D, p.Dv)
+
+
+def _factor_arrays(meta: tuple, tensors: tuple) -> tuple:
+    """_dequant_factors' arrays from meta (_factor_meta) and the (key scale, key offset, value scale, value
+    offset) tensors -- p's own, or a replayed call's views of its tensors."""
+    kg, vg, kmode, vmode, H, D, Dv = meta
+    ks, ko, vs, vo = tensors
+    kchan, vcs, vco = _no_factors()
     if kmode:
-        f = [aq.key.scale] + ([aq.key.offset] if kmode == 2 else [])
-        kchan = torch.stack([_chan(t, aq.key.granularity, H, p.D) for t in f]).contiguous().numpy()
+        f = [ks] + ([ko] if kmode == 2 else [])
+        kchan = torch.stack([_chan(t, kg, H, D) for t in f]).contiguous().numpy()
     if vmode:
-        vcs = _chan(aq.value.scale, aq.value.granularity, H, p.Dv).contiguous().numpy()
+        vcs = _chan(vs, vg, H, Dv).contiguous().numpy()
         if vmode == 2:
-            vco = _chan(aq.value.offset, aq.value.granularity, H, p.Dv).contiguous().numpy()
+            vco = _chan(vo, vg, H, Dv).contiguous().numpy()
     return kchan, vcs, vco
+
+
+def _no_factors() -> tuple:
+    """_dequant_factors' dummies (no dequantization outside the loop)."""
+    return _dummy(np.float32, 3), _dummy(np.float32, 2), _dummy(np.float32, 2)
+
+
+def _span(t: torch.Tensor) -> tuple:
+    """[first, last] storage elements of t (non-negative strides)."""
+    return t.storage_offset(), t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+
+
+def _views_of(aq, extras: tuple) -> Optional[tuple]:
+    """For each of aq's factor tensors (key scale / offset, value scale / offset; None where absent): (index of
+    the call's tensor in extras it is a view of, its size, stride, storage offset from that tensor's), or None
+    when one is not such a view (parse made it: it would not follow a later call's tensor)."""
+    specs = []
+    for f in (aq.key.scale, aq.key.offset, aq.value.scale, aq.value.offset):
+        if f is None:
+            specs.append(None)
+            continue
+        if f.numel() == 0 or min(f.stride(), default=0) < 0:
+            return None
+        for i, e in enumerate(extras):
+            if (e.dtype == f.dtype and e.numel() > 0 and min(e.stride(), default=0) >= 0
+                    and e.untyped_storage().data_ptr() == f.untyped_storage().data_ptr()
+                    and _span(e)[0] <= _span(f)[0] and _span(f)[1] <= _span(e)[1]):
+                specs.append((i, tuple(f.shape), f.stride(), f.storage_offset() - e.storage_offset()))
+                break
+        else:
+            return None
+    return tuple(specs)
 
 
 def _prefix_groups(p: AttentionProblem):
@@ -412,7 +465,7 @@ def _plan(p: AttentionProblem, x: _Inputs, K, threads: int) -> _Plan:
     if x.qds is not None:                         # indexed by the batch's own row
         st = x.qds.stride()
         ip[K.IP_QD], ip[K.IP_QD_SB], ip[K.IP_QD_SN], ip[K.IP_QD_SS] = 1, st[0], st[1], st[2]
-    kc_mode, v_chan = (0, 0) if p.antiquant is None else _chan_modes(p)
+    kc_mode, v_chan = (0, 0) if p.antiquant is None else _chan_modes(p.antiquant)
     ip[K.IP_KC_MODE] = kc_mode
 
     # ---- pse / mask, physical coordinates
@@ -622,7 +675,8 @@ class _Replay:
 
     _MAX_LENGTHS = 8                # plans kept per lengths replay (cleared when full)
 
-    def __init__(self, p: AttentionProblem, x: _Inputs, plan: _Plan, K, tensors: tuple, lengths: bool = False):
+    def __init__(self, p: AttentionProblem, x: _Inputs, plan: _Plan, K, tensors: tuple, lengths: bool = False,
+                 aq_views: Optional[tuple] = None):
         src = x.sources[0]
         self.memo_key = p.memo_key
         self.bufs = x.addresses(K)                  # [2, BUF_LEN]: spans fixed by the metadata
@@ -631,7 +685,12 @@ class _Replay:
         views = (x.q, src.key, src.value)           # the canonical views the kernels read
         self.deltas = tuple(c.data_ptr() - t.data_ptr() for c, t in zip(views, tensors))
         self.bufs[0, list(self.slots)] = 0          # (no address of the admitting call survives)
-        # _Inputs' dummies only (no antiquant, no sink here): no tensor of the admitting call is kept
+        # _Inputs' dummies only (no sink here; dequant factors: made per call from its tensors, see _factors):
+        # no tensor of the admitting call is kept
+        self.aq = None
+        if aq_views is not None:                # (the factors' metadata; their tensors: each call's views)
+            self.aq = (_factor_meta(p), aq_views)
+            x.kchan, x.vcs, x.vco = _no_factors()
         self.kchan, self.factors = x.kchan, (x.sink, x.vcs, x.vco)
         self.tbls = (src.tbl, src.ktok.tbl, src.vtok.tbl)
         from ..finalize import expected_outputs
@@ -696,7 +755,23 @@ class _Replay:
             got = self.lengths[lens] = self._prepare(plan, lens)
         return got
 
-    def __call__(self, q, k, v, lens=None, table=None):
+    def _factors(self, extras: tuple) -> tuple:
+        """(kchan, (sink, vcs, vco)) of a call: the dequant factors from its own tensors (self.aq)."""
+        if self.aq is None:
+            return self.kchan, self.factors
+        meta, views = self.aq
+        fs = []
+        for spec in views:
+            if spec is None:
+                fs.append(None)
+                continue
+            i, size, stride, rel = spec
+            e = extras[i]
+            fs.append(e.as_strided(size, stride, e.storage_offset() + rel))
+        kchan, vcs, vco = _factor_arrays(meta, fs)
+        return kchan, (self.factors[0], vcs, vco)
+
+    def __call__(self, q, k, v, lens=None, table=None, extras=()):
         K = _K
         tbl = self.tbls[0]
         if self.lengths is not None:
@@ -712,6 +787,7 @@ class _Replay:
                 return None
             prepared = self.prepared
         plan, launch, parts, dims, _ = prepared
+        kchan, factors = self._factors(extras)
         bufs = self.bufs.copy()
         s, d = self.slots, self.deltas
         bufs[0, s[0]], bufs[0, s[1]], bufs[0, s[2]] = q.data_ptr() + d[0], k.data_ptr() + d[1], v.data_ptr() + d[2]
@@ -721,15 +797,15 @@ class _Replay:
         else:
             lse, lse_addr = torch.empty(0, dtype=torch.float32), self.scratch[1]
         if launch.threads == 1:                     # attend + merge in one dispatch
-            K.attend_merge(launch.items, launch.ip, plan.fp, plan.geo, launch.work, tbl, bufs, self.kchan,
+            K.attend_merge(launch.items, launch.ip, plan.fp, plan.geo, launch.work, tbl, bufs, kchan,
                            self.tbls[1], self.tbls[2], launch.generic, plan.mp, plan.wrange, plan.pwrange,
-                           *self.factors, plan.obase, dims, out.data_ptr(), lse_addr[0])
+                           *factors, plan.obase, dims, out.data_ptr(), lse_addr[0])
             return out, lse
         po = _partials(*parts)
         _launch(K.attend_items, launch.items, launch.threads,
-                (launch.ip, plan.fp, plan.geo, launch.work, tbl, bufs, self.kchan, self.tbls[1],
+                (launch.ip, plan.fp, plan.geo, launch.work, tbl, bufs, kchan, self.tbls[1],
                  self.tbls[2], *po, launch.generic))
-        _merge(K, plan, self.factors, out, lse_addr, po, po)
+        _merge(K, plan, factors, out, lse_addr, po, po)
         return out, lse
 
 
