@@ -139,10 +139,15 @@ def run(key: tuple, q, k, v, kw: dict):
 def _replayed(r, key: tuple, q, k, v, kw: dict):
     """Replay r on a call: a lengths replay (key's last item: the lengths argument's name) also takes the
     call's lengths and block table."""
-    tens, lens = key[-2:]
-    if tens is not None:                               # (never with lengths: the backend offers no such replay)
-        return r(q, k, v, extras=tuple(kw[n] for n in tens))
+    lens = key[-1]
+    if key[-2] is not None:                            # (never with lengths: such calls are not keyed)
+        return r(q, k, v, extras=_extras(key, kw))
     return r(q, k, v) if lens is None else r(q, k, v, kw[lens], kw.get("block_table"))
+
+
+def _extras(key: tuple, kw: dict) -> tuple:
+    """The call's _TENSOR_ARGS tensors, in the order its key lists them."""
+    return tuple(kw[n] for n in key[-2] or ())
 
 
 def capture(fn, *args, **kwargs):
@@ -180,9 +185,7 @@ def admit(key: tuple, ran, q, k, v, results: tuple, kw: dict) -> None:
     elif problem.memo_key is None:                 # not yet memoized: maybe the next time
         return
     make: Optional[Callable] = getattr(backend, "replay", None)
-    tens = key[-2]
-    extra = {} if tens is None else {"extras": tuple(kw[n] for n in tens)}
-    r = None if make is None else make(problem, q, k, v, lengths=lens is not None, **extra)
+    r = None if make is None else make(problem, q, k, v, lengths=lens is not None, extras=_extras(key, kw))
     got = None if r is None else _replayed(r, key, q, k, v, kw)
     ok = got is not None and _same(got[:len(results)], results)
     if len(_TABLE) >= _MAX:

@@ -344,7 +344,7 @@ def _no_factors() -> tuple:
 
 
 def _span(t: torch.Tensor) -> tuple:
-    """[first, last] storage elements of t (non-negative strides)."""
+    """[first, last] storage elements of t (torch strides are never negative)."""
     return t.storage_offset(), t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
 
 
@@ -357,12 +357,12 @@ def _views_of(aq, extras: tuple) -> Optional[tuple]:
         if f is None:
             specs.append(None)
             continue
-        if f.numel() == 0 or min(f.stride(), default=0) < 0:
+        if f.numel() == 0:
             return None
+        lo, hi = _span(f)
         for i, e in enumerate(extras):
-            if (e.dtype == f.dtype and e.numel() > 0 and min(e.stride(), default=0) >= 0
-                    and e.untyped_storage().data_ptr() == f.untyped_storage().data_ptr()
-                    and _span(e)[0] <= _span(f)[0] and _span(f)[1] <= _span(e)[1]):
+            if (e.dtype == f.dtype and e.untyped_storage().data_ptr() == f.untyped_storage().data_ptr()
+                    and _span(e)[0] <= lo and hi <= _span(e)[1]):
                 specs.append((i, tuple(f.shape), f.stride(), f.storage_offset() - e.storage_offset()))
                 break
         else:
