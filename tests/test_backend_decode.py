@@ -198,7 +198,7 @@ def test_prefetch_bits_follow_the_bytes_read(monkeypatch):
     """A launch reading at most PREFETCH_MIN_BYTES of K / V (keys x KV heads x row bytes of its kinds) runs
     without the software prefetch bits of DP_FLAGS; a larger one keeps them, and the other bits stay."""
     from fia.backends import decode_kernels as K
-    pf = K.DP_PREFETCH_BITS
+    pf = K.DP_PREFETCH_BITS | K.DP_TOUCH
     monkeypatch.setattr(K, "DP_FLAGS", K.DP_FLAGS | pf)
     monkeypatch.setattr(DEC, "PREFETCH_MIN_BYTES", 1 << 20)
     ip = [0] * K.IP_LEN
@@ -231,22 +231,26 @@ def test_dense_gqa(G, dtype, layout):
 
 @pytest.mark.parametrize("d", [8, 40, 48, 96, 192])
 @pytest.mark.parametrize("kind", ["bf16", "fp16", "int8"])
-def test_head_dims(d, kind):
+@pytest.mark.parametrize("layout", ["BNSD", "BSH"])
+def test_head_dims(d, kind, layout):
     """Head dims the IR kernels take (multiples of 16: unrolled and looped) and the ones they leave to the
-    numba fused kernels (the generic build), for every fused element kind, with split KV and GQA."""
-    g = gen("dims", d, kind)
+    numba fused kernels (the generic build), for every fused element kind, with split KV and GQA; BSH: items
+    of all KV heads (decode_kernels.IP_HB), 3 of them."""
+    g = gen("dims", d, kind, layout)
     b, n, kvn, s = 2, 8, 2, 150
+    if layout == "BSH":
+        n, kvn = 12, 3
     lens = [150, 61]
     dt = F16 if kind == "fp16" else BF16
     q = randn((b, n, 1, d), g, dt)
-    kw = dict(num_heads=n, num_key_value_heads=kvn, input_layout="BNSD", scale=1 / math.sqrt(d),
+    kw = dict(num_heads=n, num_key_value_heads=kvn, input_layout=layout, scale=1 / math.sqrt(d),
               softmax_lse_flag=True, actual_seq_lengths_kv=lens)
     if kind == "int8":                               # per-tensor antiquant (key and value share the head dim)
         k, v = rint8((b, kvn, s, d), g), rint8((b, kvn, s, d), g)
         kw.update(antiquant_scale=runif((2, 1), g, 0.004, 0.02, dt), antiquant_mode=0)
     else:
         k, v = poison_kv(randn((b, kvn, s, d), g, dt), lens), poison_kv(randn((b, kvn, s, d), g, dt), lens)
-    compare((q, k, v), kw)
+    compare((to_layout(q, layout), to_layout(k, layout), to_layout(v, layout)), kw)
 
 
 @pytest.mark.parametrize("chunk", [32768, 65536 + 64 * 3])
@@ -494,6 +498,51 @@ def test_paged_in_place(fmt, bs, lens, G, small_splits):
             no_gather=True)
 
 
+@pytest.mark.parametrize("case,want", [("BSH", 3), ("BSND", 3), ("BNSD", 1), ("paged-3d", 3), ("paged-4d", 1),
+                                       ("wider-row", 3), ("gaps", 1), ("one-head", 1)])
+def test_heads_per_item_follows_the_layout(case, want, small_splits):
+    """An item covers every KV head (decode_kernels.IP_HB; fia.explain says "N KV heads per item") exactly when
+    a token's rows of all heads lie side by side in key and value: BSH / BSND, the paged [blocks, bs, H] cache,
+    a token row wider than the heads (key and value views of one [B, S, 2 H] buffer); head by head otherwise
+    (BNSD, paged [blocks, H, bs, D], rows with gaps between the heads, one KV head). Results agree either way."""
+    g = gen("hb", case)
+    b, kvn, s, d, G = 2, 3, 40, 32, 2
+    lens = [40, 17]
+    if case == "one-head":
+        kvn = 1
+    n = G * kvn
+    q = randn((b, n, 1, d), g, BF16)
+    k, v = poison_kv(randn((b, kvn, s, d), g, BF16), lens), poison_kv(randn((b, kvn, s, d), g, BF16), lens)
+    kw = dict(num_heads=n, num_key_value_heads=kvn, input_layout="BSH", scale=0.2, softmax_lse_flag=True,
+              actual_seq_lengths_kv=lens)
+    if case in ("BNSD", "BSND"):
+        kw["input_layout"] = case
+        args = (to_layout(q, case), to_layout(k, case), to_layout(v, case))
+    elif case.startswith("paged"):
+        fmt = case[-2:]
+        table, kpool = paged(lens, 16, kvn, d, g, BF16, None)
+        _, vpool = paged(lens, 16, kvn, d, g, BF16, None)
+        kw.update(block_table=table, block_size=16, input_layout="BSH" if fmt == "3d" else "BNSD")
+        args = (to_layout(q, kw["input_layout"]), as_cache(kpool, fmt), as_cache(vpool, fmt))
+    elif case == "wider-row":                                  # [B, S, 2 H]: key | value per token
+        kv = torch.cat([to_layout(k, "BSH"), to_layout(v, "BSH")], dim=-1)
+        args = (to_layout(q, "BSH"), kv[..., :kvn * d], kv[..., kvn * d:])
+    elif case == "gaps":                                       # [B, S, H, 2 D]: each head's row, then a gap
+        kw["input_layout"] = "BSND"
+        pad = torch.full((b, s, kvn, d), NAN, dtype=BF16)
+        kg = torch.cat([to_layout(k, "BSND"), pad], dim=-1)[..., :d]
+        vg = torch.cat([to_layout(v, "BSND"), pad], dim=-1)[..., :d]
+        args = (to_layout(q, "BSND"), kg, vg)
+    else:
+        args = (to_layout(q, "BSH"), to_layout(k, "BSH"), to_layout(v, "BSH"))
+    compare(args, kw, no_gather=case.startswith("paged"))
+    with fia.validation_mode("portable"), fia.use_backend("decode"):
+        text = str(fia.explain(*args, **kw))
+    assert (f"{want} KV heads per item" in text) == (want > 1), text
+    if want > 1:
+        assert "KV heads per item" in text
+
+
 def test_paged_shared_blocks_and_int64_table(small_splits):
     """Blocks shared between batches (a real pool), int64 table (portable)."""
     g = gen("paged-shared")
@@ -559,9 +608,11 @@ def _scales(kind, which, g, b, kvn, s, d, lens, mode, dtype):
 
 @pytest.mark.parametrize("name,int4,km,vm,kind,offsets", ANTIQUANT, ids=[a[0] for a in ANTIQUANT])
 @pytest.mark.parametrize("G", [1, 4])
-def test_antiquant_modes(name, int4, km, vm, kind, offsets, G, small_splits):
-    g = gen("aq", name, G)
-    b, kvn, s, d = 2, 2, 70, 64
+@pytest.mark.parametrize("layout", ["BNSD", "BSH"])
+def test_antiquant_modes(name, int4, km, vm, kind, offsets, G, layout, small_splits):
+    """Every dequantization form; BSH: items of all KV heads (decode_kernels.IP_HB), each head's factors."""
+    g = gen("aq", name, G) if layout == "BNSD" else gen("aq", name, G, layout)
+    b, kvn, s, d = 2, 2 if layout == "BNSD" else 3, 70, 64
     n = G * kvn
     lens = [70, 23]
     dtype = F16
@@ -584,7 +635,8 @@ def test_antiquant_modes(name, int4, km, vm, kind, offsets, G, small_splits):
         kw.update(key_antiquant_scale=ks, value_antiquant_scale=vs, key_antiquant_mode=km, value_antiquant_mode=vm)
         if offsets:
             kw.update(key_antiquant_offset=ko, value_antiquant_offset=vo)
-    compare((q, k, v), kw)
+    kw["input_layout"] = layout
+    compare((to_layout(q, layout), to_layout(k, layout), to_layout(v, layout)), kw)
 
 
 @pytest.mark.parametrize("mode", [4, 5])
@@ -715,10 +767,12 @@ def test_left_padding(sq, with_mask, small_splits):
 @pytest.mark.parametrize("plen", [None, 0, 5])
 @pytest.mark.parametrize("b,G", [(2, 4), (12, 8)])
 @pytest.mark.parametrize("extra", ["none", "mask", "pse", "int8"])
-def test_shared_prefix(plen, b, G, extra, small_splits):
+@pytest.mark.parametrize("layout", ["BNSD", "BSND"])
+def test_shared_prefix(plen, b, G, extra, layout, small_splits):
     """Prefix keys first (read once per group of batches), then each batch's own keys; masks and pse
-    count prefix columns first. b=12, G=8: more rows than one prefix group holds."""
-    g = gen("prefix", plen, b, G, extra)
+    count prefix columns first. b=12, G=8: more rows than one prefix group holds. BSND: items of both KV
+    heads, own keys and prefix (decode_kernels.IP_HB)."""
+    g = gen("prefix", plen, b, G, extra) if layout == "BNSD" else gen("prefix", plen, b, G, extra, layout)
     kvn, s, ps, d = 2, 24, 9, 64
     n = G * kvn
     lens = [(7 * i + 3) % (s + 1) for i in range(b)]
@@ -734,8 +788,9 @@ def test_shared_prefix(plen, b, G, extra, small_splits):
     if eff < ps and extra != "int8":
         kp[:, :, eff:] = NAN
         vp[:, :, eff:] = NAN
-    kw = dict(num_heads=n, num_key_value_heads=kvn, input_layout="BNSD", scale=0.125, softmax_lse_flag=True,
-              actual_seq_lengths_kv=lens, key_shared_prefix=kp, value_shared_prefix=vp)
+    kw = dict(num_heads=n, num_key_value_heads=kvn, input_layout=layout, scale=0.125, softmax_lse_flag=True,
+              actual_seq_lengths_kv=lens, key_shared_prefix=to_layout(kp, layout),
+              value_shared_prefix=to_layout(vp, layout))
     if plen is not None:
         kw["actual_shared_prefix_len"] = [plen]
     if extra == "mask":
@@ -747,7 +802,7 @@ def test_shared_prefix(plen, b, G, extra, small_splits):
                   value_antiquant_scale=runif((1, kvn, 1, d), g, 0.004, 0.02, F16),
                   key_antiquant_offset=runif((1, kvn, 1, d), g, -2, 2, F16),
                   value_antiquant_offset=runif((1, kvn, 1, d), g, -2, 2, F16))
-    compare((q, k, v), kw)
+    compare((to_layout(q, layout), to_layout(k, layout), to_layout(v, layout)), kw)
 
 
 def test_tensor_list(small_splits):

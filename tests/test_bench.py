@@ -106,7 +106,7 @@ def test_wrong_answer_is_not_timed(monkeypatch):
 
 def test_case_table_and_cli_list(capsys):
     names = [c.name for c in C.full_table()]
-    assert len(names) == len(set(names)) == 45
+    assert len(names) == len(set(names)) == 49
     mtp = C.multi_token_decode_case(4, 4096)
     assert mtp.name in names and mtp.S_q == 4 and mtp.kv_bytes() == C.decode_case("bf16", "dense", 4096).kv_bytes()
     assert main(["--quick", "--list", "--cases", "prefill"]) == 0
@@ -244,6 +244,31 @@ def test_dense_twin_is_timed_with_paged_and_int8_cases():
         assert d["pct_ceiling"] == pytest.approx(100.0 * d["rate"] / 40.0)     # the final ceiling, as the case's
     dense = runner.run_case(C.Case("tiny-decode", "decode", "bf16", 2, 4, 2, 64, 1, 256), FAKE, opts, fia)
     assert dense["speedup_vs_dense"] is None and dense["dense"]["status"] == "not run"
+
+
+@pytest.mark.parametrize("storage,layout", [("dense", "BSND"), ("paged", "BSH")])
+def test_token_major_cases(storage, layout):
+    """The "-bsnd" / "-bsh" decode cases hand FIA token-major K / V (a token's rows of all KV heads side by
+    side: [B, S, KV_N, D], the paged pool [blocks, bs, KV_N * D]) and the query in the same layout; their
+    dense twin is the BNSD case, and the output is checked in the canonical layout."""
+    case = C.Case("tiny-decode-tm", "decode", "bf16", 2, 4, 2, 64, 1, 256, storage=storage, layout=layout,
+                  block_size=64)
+    twin = case.dense_twin()
+    assert (twin.storage, twin.layout) == ("dense", "BNSD")
+    inp = C.build(case)
+    q, k, v = inp.fia_args()
+    if layout == "BSND":
+        assert k.shape == (2, 256, 2, 64) and k.is_contiguous() and q.shape == (2, 1, 4, 64)
+    else:
+        assert k.shape == (inp.key.shape[0], 64, 2 * 64) and k.is_contiguous() and q.shape == (2, 1, 4 * 64)
+    assert torch.equal(inp.canonical_out(inp.fia_args()[0]), inp.q)
+    sl = inp.head_slice()
+    assert sl.fia_args()[1].is_contiguous() and torch.equal(sl.key, inp.key[:, :1])
+    opts = runner.Options(repeats=2, time_budget_s=0.05, ref_budget_s=5.0)
+    rec = runner.run_case(case, FAKE, opts, fia)
+    assert rec["layout"] == layout and rec["fia"]["status"] == "ok" and rec["check"]["rel_err"] <= runner.TOL["bf16"]
+    assert rec["dense"]["status"] == "ok" and rec["speedup_vs_dense"] > 0
+    assert C.decode_case("bf16", "paged", 4096, layout="BSH").name == "decode-bf16-paged128-bsh-kv4096"
 
 
 def test_timing_blocks_are_palindromic():

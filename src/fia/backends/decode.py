@@ -249,6 +249,10 @@ def _kernel_names(K, launch: "_Launch") -> str:
         parts.append("software prefetch" + (f" ({'; '.join(how)})" if how else ""))
     elif ir and K.DP_FLAGS & K.DP_PREFETCH and not launch.ip[K.IP_DP] & K.DP_PREFETCH:
         parts.append(f"no software prefetch (at most {PREFETCH_MIN_BYTES >> 10} KiB of K / V: likely cached)")
+    hb = int(launch.ip[K.IP_HB])
+    if hb > 1:
+        parts.append(f"{hb} KV heads per item" + (", each chunk's rows read front to back first"
+                                                  if launch.ip[K.IP_DP] & K.DP_TOUCH else ""))
     return ", ".join(parts)
 
 
@@ -483,8 +487,10 @@ def _plan(p: AttentionProblem, x: _Inputs, K, threads: int) -> _Plan:
     want_any = int(p.row_invalid_fix and (um is not None or has_band) and p.sink is None)
     ip[K.IP_WANT_ANY] = want_any
 
-    # ---- own keys: work entries (batch, key range) x KV heads
-    work, wrange = K.split_work(lens, kv_lo, H, threads, C, MIN_SPLIT, ITEMS_PER_THREAD)
+    # ---- own keys: work entries (batch, key range) x KV heads, HB heads per item
+    hb = _heads_per_item(x.sources, H)
+    ip[K.IP_HB] = hb
+    work, wrange = K.split_work(lens, kv_lo, H // hb, threads, C, MIN_SPLIT, ITEMS_PER_THREAD)
     W = work.shape[1]
     ip[K.IP_COL_BASE] = P
     own = []
@@ -498,10 +504,11 @@ def _plan(p: AttentionProblem, x: _Inputs, K, threads: int) -> _Plan:
     prefix, pwrange, Rp = None, wrange[:, :1], R0
     if P > 0:
         Rp = bpg * R0
-        pwork, pwrange = K.split_work(np.full(ng, P, np.int64), np.zeros(ng, np.int64), H, threads, C,
+        phb = _heads_per_item((x.prefix,), H)
+        pwork, pwrange = K.split_work(np.full(ng, P, np.int64), np.zeros(ng, np.int64), H // phb, threads, C,
                                       MIN_SPLIT, ITEMS_PER_THREAD)
         ipp = list(ip)                            # (the prefix source sets its own source ints)
-        ipp[K.IP_BPG], ipp[K.IP_R] = bpg, Rp
+        ipp[K.IP_BPG], ipp[K.IP_R], ipp[K.IP_HB] = bpg, Rp, phb
         ipp[K.IP_COL_BASE], ipp[K.IP_PREFIX_PASS] = 0, 1
         prefix = _launch_plan(x.prefix, ipp, K, pwork, 0, pwork.shape[1], H, Rp, threads, ng * P)
 
@@ -535,14 +542,30 @@ def _geometry(p: AttentionProblem, P: int, q_sb: int, qr_sb: int):
     return a[:8], a[8], a[9], sum(r[8] for r in rows)
 
 
+def _heads_per_item(sources, H: int) -> int:
+    """KV heads per item (decode_kernels.IP_HB): all H when every source's key and value hold a token's rows
+    of all heads side by side (BSH / BSND, the paged [blocks, block_size, H] cache; a key of the tokens'
+    rows read head by head comes 256 bytes every H x 256: decode_kernels.DP_TOUCH), else 1."""
+    if H < 2:
+        return 1
+    for src in sources:
+        if src.rope is not None:
+            return 1
+        for t in (src.key, src.value):
+            _, sh, ss = src._strides(t)
+            if sh != t.shape[-1] or ss < H * sh:
+                return 1
+    return H
+
+
 def _launch_plan(src: "_Source", ip: list, K, work: np.ndarray, w0: int, w1: int, H: int, R: int, threads: int,
                  keys: int) -> _Launch:
-    """A source's launch: the shared int parameters (in ip) with the source's own; the items w * H + h in
-    the order the threads take them. Threaded: longest first; small work (keys x H x R < PARALLEL_MIN_WORK)
-    stays on the calling thread."""
+    """A source's launch: the shared int parameters (in ip) with the source's own; the items w * (H / HB) + h /
+    HB in the order the threads take them. Threaded: longest first; small work (keys x H x R <
+    PARALLEL_MIN_WORK) stays on the calling thread."""
     src.ints(ip, K)
     ip[K.IP_DP] = _dp_flags(K, ip, keys, H)
-    items, t = _schedule(work, H, R, threads, keys)
+    items, t = _schedule(work, H, R, threads, keys, ip[K.IP_HB])
     return _Launch(np.array(ip, np.int64), work, w0, w1, items, t, src.generic())
 
 
@@ -552,17 +575,19 @@ def _dp_flags(K, ip, keys: int, H: int) -> int:
     per_key = sum(ip[d] * _KIND_BYTES[int(ip[kind])]
                   for d, kind in ((K.IP_D, K.IP_K_KIND), (K.IP_DV, K.IP_V_KIND), (K.IP_DR, K.IP_R_KIND)))
     if keys * H * per_key <= PREFETCH_MIN_BYTES:
-        return K.DP_FLAGS & ~K.DP_PREFETCH_BITS
+        return K.DP_FLAGS & ~(K.DP_PREFETCH_BITS | K.DP_TOUCH)
     return K.DP_FLAGS
 
 
-def _schedule(work: np.ndarray, H: int, R: int, threads: int, keys: int):
-    """(items in the order the threads take them, threads) of work entries x H KV heads of R rows."""
-    n = work.shape[1] * H
+def _schedule(work: np.ndarray, H: int, R: int, threads: int, keys: int, hb: int = 1):
+    """(items in the order the threads take them, threads) of work entries x H KV heads of R rows, hb heads
+    per item."""
+    ng = H // hb
+    n = work.shape[1] * ng
     t = min(threads, n)
     if t <= 1 or keys * H * R < PARALLEL_MIN_WORK:
         return np.arange(n, dtype=np.int64), 1
-    return np.argsort(-np.repeat(work[2] - work[1], H), kind="stable").astype(np.int64), t
+    return np.argsort(-np.repeat(work[2] - work[1], ng), kind="stable").astype(np.int64), t
 
 
 def _relength(plan: _Plan, p: AttentionProblem, kv_lens: np.ndarray, K, threads: int):
@@ -577,11 +602,13 @@ def _relength(plan: _Plan, p: AttentionProblem, kv_lens: np.ndarray, K, threads:
     kv_lo = np.zeros_like(lens)
     keys = int(lens.sum())
     launch = plan.own[0]
-    work, wrange = K.split_work(lens, kv_lo, p.KV_N, threads, int(launch.ip[K.IP_C]), MIN_SPLIT, ITEMS_PER_THREAD)
+    hb = int(launch.ip[K.IP_HB])
+    work, wrange = K.split_work(lens, kv_lo, p.KV_N // hb, threads, int(launch.ip[K.IP_C]), MIN_SPLIT,
+                                ITEMS_PER_THREAD)
     W = work.shape[1]
     if W == 0:
         return None
-    items, t = _schedule(work, p.KV_N, p.G * p.Q_S, threads, keys)
+    items, t = _schedule(work, p.KV_N, p.G * p.Q_S, threads, keys, hb)
     ip = launch.ip
     flags = _dp_flags(K, ip, keys, p.KV_N)
     if flags != ip[K.IP_DP]:                      # (the prefetch choice follows the bytes read)

@@ -70,6 +70,14 @@ DP_EO = 256
 # (32 bytes per row per pass): session 17, Zen 3, kernels alone from DRAM (4 rows, bf16, ns per key): QK 24.7
 # against 19.5 in L2, PV 52.9 against 16.7. What PV requests of the next K chunk competes with its own misses.
 DP_NO_PV_K = 512
+# DP_TOUCH: items of several KV heads (IP_HB > 1) first read the chunk's rows of all their heads front to back
+# (touch_rows: demand loads, which the hardware prefetchers stream), then run each head's kernels on them from
+# the caches. One head's rows alone are 256 bytes every KV_N x 256 (BSH): no prefetcher streams that, and
+# software prefetches of them did not help (session 19, Zen 3, one thread, 256 MB: 256-byte rows every 2 KB
+# 7.0-7.5 GB/s with or without prefetcht1 4-64 rows ahead, every 512 bytes 7.5, contiguous 14.5-19; a copy of
+# all heads' rows in token order 12.4 GB/s against 3.5-3.9 head by head). Left out for launches that read at
+# most PREFETCH_MIN_BYTES (likely cached), as the prefetch bits.
+DP_TOUCH = 1024
 # Which prefetch policy pays depends on the CPU (two threads, bench shapes, same code, GB/s):
 # * AMD Zen 5 (session 8): nta + ahead 37-43, t1 alone 33-36 -> "nta+ahead";
 # * Intel Xeon with AMX (sessions 7 and 9): t1 alone 20-22.6, t1 + ahead 19-20, nta 18-21, nta + ahead 8.3-8.9
@@ -95,8 +103,10 @@ if PREFETCH_POLICY not in PREFETCH_POLICIES:     # a typo must not break `import
 # the core although it computes twice as fast in L2: 19.4 vs 30 ns per key and KV head), 8 rows +18 %,
 # 16 rows +60 %.
 AMX_MIN_ROWS = 8
+# FIA_DECODE_TOUCH=0 turns DP_TOUCH off (A / B measurements)
 DP_FLAGS = ((DP_QK | DP_PV if HAS_DP else 0) | (DP_I8 if HAS_VNNI else 0) | (DP_AMX if HAS_AMX else 0)
-            | (DP_EO if NARROW else 0) | PREFETCH_POLICIES[PREFETCH_POLICY])
+            | (DP_EO if NARROW else 0) | PREFETCH_POLICIES[PREFETCH_POLICY]
+            | (0 if os.environ.get("FIA_DECODE_TOUCH", "1") == "0" else DP_TOUCH))
 AHEAD_BYTES = 8192              # 32 rows of bf16 / fp16 at D = 128, 63 of int8
 
 # fastmath without nnan / ninf: NaN and Inf in the inputs must propagate (SPEC 14)
@@ -117,7 +127,11 @@ MASK_FILL = np.float32(-1e12)
  IP_WANT_ANY, IP_PREFIX_PASS) = (
     45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57)
 IP_DP = 58               # kernel choice: DP_* bits below
-IP_LEN = 59
+# IP_HB: KV heads per item. 1, unless every KV head's rows of a token lie side by side (BSH / BSND, the paged
+# [blocks, block_size, H] cache): then an item covers all of them, chunk by chunk, so that each chunk's rows are
+# read front to back across the heads (DP_TOUCH) instead of one head's 256 bytes every KV_N x 256 (see DP_TOUCH).
+IP_HB = 59
+IP_LEN = 60
 # rows of the per-batch geometry array geo [GEO_LEN, B]
 GEO_QLO, GEO_QHI, GEO_S2, GEO_PRE, GEO_NEXT, GEO_JOFS, GEO_QBASE, GEO_QRBASE = range(8)
 GEO_LEN = 8
@@ -684,6 +698,23 @@ def row_offsets(tbl, i, c0, n, bs, s_blk, base, s_s, dst):
             bi += 1
 
 
+@njit(fastmath=FM, cache=True, inline="always")
+def touch_rows(buf, offs, n, es, span):
+    """Read the span bytes at element offset offs[c] (elements of es bytes) of buf for keys c < n, front to
+    back, and return their xor: demand loads that bring a chunk's rows of several KV heads into the caches in
+    address order (DP_TOUCH). The 8-byte words that hold them, cut to the buffer."""
+    w = buf[:buf.shape[0] - buf.shape[0] % 8].view(np.uint64)
+    nw = np.uint64(w.shape[0])
+    x = np.uint64(0)
+    for c in range(n):
+        b0 = np.uint64(offs[c] * es)
+        j0 = b0 >> np.uint64(3)
+        j1 = min((b0 + np.uint64(span) + np.uint64(7)) >> np.uint64(3), nw)
+        for j in range(j0, j1):
+            x ^= w[j]
+    return x
+
+
 @njit(fastmath=FM, cache=True)
 def token_scales(tbl, i, h, c0, n, tb, s_blk, s_h, s_s, mode, sc, off, dst_s, dst_o):
     """Per-token dequant factors of the chunk's keys [c0, c0 + n) of query group i, KV head h: scale into
@@ -804,17 +835,21 @@ def kernel_flags(ip):
 @njit(fastmath=FM, cache=True)
 def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbuf,
           kt_tbl, kts, kto, vt_tbl, vts, vto, pse, mask, po, pm, pl, pany,
-          qv, qa, qs, rb, rn, rs, tmp, offs, kf, vf, s, vx, koff, voff, roff, tsk, tok, tsv, tov, q2, p2, knext,
-          isc, generic):
-    """The items of `items` (w * KV_N + h) this thread claims through `counter`, one after another. The
+          qvh, qah, qsh, rb, rnh, rs, tmp, offs, kf, vf, s, vxh, koff, voff, roff, tsk, tok, tsv, tov, q2h, p2, knext,
+          isch, i8q, sinks, generic):
+    """The items of `items` (w * (KV_N / HB) + h / HB) this thread claims through `counter`, one after another. The
     claim loop is here, not in the caller: numba reference-counts every array argument of a call (an atomic
     add at entry and exit), and per item the ~47 arrays of this function were ~100 atomics, ~0.5 us per item
-    (a quarter of the kernel time of issue 7's small call, perf samples in NRT_incref / NRT_decref)."""
+    (a quarter of the kernel time of issue 7's small call, perf samples in NRT_incref / NRT_decref).
+    An item covers HB = ip[IP_HB] KV heads: their query rows are made first (per-head scratch [HB, ...]), then
+    chunk by chunk every head's QK / softmax / PV (the state of head h in po / pm / pl / pany[w, h])."""
     H = ip[IP_H]
+    HB = ip[IP_HB]
+    NG = H // HB
+    touch = HB > 1 and (ip[IP_DP] & DP_TOUCH) != 0
     # views, constants and flags of the launch, made once (each array view is an allocation and reference counts)
     q8, q16, q32, qfl = views(qbuf)
     kf_ = kernel_flags(ip)
-    q2i = q2.view(np.int16)
     p2i = p2.view(np.int16)
     R0 = ip[IP_R0]
     BPG = ip[IP_BPG]
@@ -842,286 +877,323 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
     fma_pv = (kf_ & KF_FMA_PV) != 0
     eo_qk = (kf_ & KF_EO_QK) != 0
     eo_pv = (kf_ & KF_EO_PV) != 0
+    k_blk = ip[IP_K_BLK]
+    k_h = ip[IP_K_H]
+    k_s = ip[IP_K_S]
+    k_kind = ip[IP_K_KIND]
+    r_blk = ip[IP_R_BLK]
+    r_h = ip[IP_R_H]
+    r_s = ip[IP_R_S]
+    r_kind = ip[IP_R_KIND]
+    v_blk = ip[IP_V_BLK]
+    v_h = ip[IP_V_H]
+    v_s = ip[IP_V_S]
+    v_kind = ip[IP_V_KIND]
+    k_es, k_row = elem_layout(k_kind, D)              # bytes per element, elements per row (prefetching)
+    v_es, v_row = elem_layout(v_kind, Dv)
+    k_span = ((HB - 1) * k_h + k_row) * k_es          # bytes of a token's rows of an item's heads (DP_TOUCH)
+    v_span = ((HB - 1) * v_h + v_row) * v_es
+    k_es_ = k_es
+    v_es_ = v_es
+    # the other-stream prefetch hints: the K row size and hints travel to PV, the V ones to QK
+    if (kf_ & KF_NTA) != 0:                            # prefetchnta instead of t1 (see DP_NTA)
+        k_es += PF_NTA
+        v_es += PF_NTA
+    if (kf_ & KF_AHEAD_K) != 0:                        # QK's own K rows ahead (see DP_AHEAD)
+        v_es += PF_AHEAD * min(63, max(1, AHEAD_BYTES // ((k_es & 255) * k_row)))
+    if (kf_ & KF_AHEAD_V) != 0:                        # PV's own V rows ahead
+        k_es += PF_AHEAD * min(63, max(1, AHEAD_BYTES // ((v_es & 255) * v_row)))
+    kt_mode = ip[IP_KT_MODE]
+    vt_mode = ip[IP_VT_MODE]
+    pse_kind = ip[IP_PSE_KIND]            # -1: no pse
+    has_mask = ip[IP_MASK]
+    has_band = ip[IP_BAND]
+    col_base = ip[IP_COL_BASE]
+    want_any = ip[IP_WANT_ANY]
+    prefix_pass = ip[IP_PREFIX_PASS]
+    sink = np.uint64(0)
     while True:
         it = claim(items, counter)
         if it < 0:
             break
-        w = it // H
-        h = it % H
+        w = it // NG
+        h0 = (it % NG) * HB
         i = work[0, w]
         lo = work[1, w]
         hi = work[2, w]
-        acc = po[w, h]                                         # [R, Dv]
-        m = pm[w, h]                                           # [R]
-        ll = pl[w, h]                                          # [R]
-        anyu = pany[w, h]                                      # [R]
-        for r in range(R):
-            m[r] = -np.inf
-            ll[r] = 0.0
-            anyu[r] = 0
-            for d in range(Dv):
-                acc[r, d] = 0.0
+        for h in range(h0, h0 + HB):
+            acc = po[w, h]                                     # [R, Dv]
+            m = pm[w, h]                                       # [R]
+            ll = pl[w, h]                                      # [R]
+            anyu = pany[w, h]                                  # [R]
+            for r in range(R):
+                m[r] = -np.inf
+                ll[r] = 0.0
+                anyu[r] = 0
+                for d in range(Dv):
+                    acc[r, d] = 0.0
         if hi <= lo:
             continue
         # (the typed views of K / V / rope / pse are made where a path reads them: an array view checks its
         # size, which numba cannot drop, and 24 of them per item were ~9 % of a small call's kernel time)
 
-        # ---- the item's query rows: r = (batch in group) * R0 + g * Q_S + s, head n = h * G + g.
+        # ---- each head's query rows: r = (batch in group) * R0 + g * Q_S + s, head n = h * G + g.
         # q = query * scale (* dequant_scale_query) (* per-channel key scale); rows outside the query
         # window stay 0 (never computed, merge writes their 0 / +inf).
-        # (scratch: qv [R, dq], qa / qs [R]; rb / rn / rs [R]: batch, query head, physical row of a row)
-        i8_qk = i8_qk_kernels                  # (per item: cleared below when its query holds a NaN or an inf)
-        for r in range(R):
-            bl = r // R0
-            b = i * BPG + bl
-            rem = r - bl * R0
-            g = rem // QS
-            si = rem - g * QS
-            n = h * G + g
-            if b >= B:
-                b = B - 1
-            rb[r] = b
-            rn[r] = n
-            rs[r] = si
-            qa[r] = 0.0
-            qs[r] = 0.0
-            if si < geo[GEO_QLO, b] or si >= geo[GEO_QHI, b]:
-                for d in range(dq):
-                    qv[r, d] = 0.0
+        # (scratch per head hh = h - h0: qv [R, dq], qa / qs [R], rn [R]: query head of a row; rb / rs [R]:
+        # batch, physical row of a row)
+        for hh in range(HB):
+            h = h0 + hh
+            qv = qvh[hh]
+            q2 = q2h[hh]
+            qa = qah[hh]
+            qs = qsh[hh]
+            rn = rnh[hh]
+            i8_qk = i8_qk_kernels                # (per head: cleared below when its query holds a NaN or an inf)
+            for r in range(R):
+                bl = r // R0
+                b = i * BPG + bl
+                rem = r - bl * R0
+                g = rem // QS
+                si = rem - g * QS
+                n = h * G + g
+                if b >= B:
+                    b = B - 1
+                rb[r] = b
+                rn[r] = n
+                rs[r] = si
+                qa[r] = 0.0
+                qs[r] = 0.0
+                if si < geo[GEO_QLO, b] or si >= geo[GEO_QHI, b]:
+                    for d in range(dq):
+                        qv[r, d] = 0.0
+                    if dp_qk:
+                        for d in range(D):
+                            q2[r, d] = 0
+                    continue
+                offs[0] = geo[GEO_QBASE, b] + n * ip[IP_Q_SN] + si * ip[IP_Q_SS]
                 if dp_qk:
-                    for d in range(D):
-                        q2[r, d] = 0
-                continue
-            offs[0] = geo[GEO_QBASE, b] + n * ip[IP_Q_SN] + si * ip[IP_Q_SS]
-            if dp_qk:
-                qo = np.uint64(offs[0])
-                for d in range(np.uint64(D)):
-                    q2[r, d] = q16[qo + d]
-            load_rows(q8, q16, q32, qfl, offs, 1, ip[IP_Q_KIND], tmp, 0, D)
-            if Dr > 0:
-                offs[0] = geo[GEO_QRBASE, b] + n * ip[IP_QR_SN] + si * ip[IP_QR_SS]
-                qr8, qr16, qr32, qrfl = views(qrbuf)
-                load_rows(qr8, qr16, qr32, qrfl, offs, 1, ip[IP_QR_KIND], tmp, D, Dr)
-            f = scale
-            if ip[IP_QD] != 0:
-                f = f * qds[b * ip[IP_QD_SB] + n * ip[IP_QD_SN] + si * ip[IP_QD_SS]]
-            for d in range(D):
-                qv[r, d] = tmp[0, d] * f
-            # the rope part (columns D..D+Dr) is not quantized: dequant_scale_query applies to the int8
-            # query only (SPEC 11: Q = Q_q * scale; Q_rope keeps its float16/bfloat16 values)
-            for d in range(D, dq):
-                qv[r, d] = tmp[0, d] * scale
-            if kc_mode != 0:
+                    qo = np.uint64(offs[0])
+                    for d in range(np.uint64(D)):
+                        q2[r, d] = q16[qo + d]
+                load_rows(q8, q16, q32, qfl, offs, 1, ip[IP_Q_KIND], tmp, 0, D)
+                if Dr > 0:
+                    offs[0] = geo[GEO_QRBASE, b] + n * ip[IP_QR_SN] + si * ip[IP_QR_SS]
+                    qr8, qr16, qr32, qrfl = views(qrbuf)
+                    load_rows(qr8, qr16, qr32, qrfl, offs, 1, ip[IP_QR_KIND], tmp, D, Dr)
+                f = scale
+                if ip[IP_QD] != 0:
+                    f = f * qds[b * ip[IP_QD_SB] + n * ip[IP_QD_SN] + si * ip[IP_QD_SS]]
                 for d in range(D):
-                    qv[r, d] *= kchan[0, h, d]
-                if kc_mode == 2:
-                    t = np.float32(0.0)
+                    qv[r, d] = tmp[0, d] * f
+                # the rope part (columns D..D+Dr) is not quantized: dequant_scale_query applies to the int8
+                # query only (SPEC 11: Q = Q_q * scale; Q_rope keeps its float16/bfloat16 values)
+                for d in range(D, dq):
+                    qv[r, d] = tmp[0, d] * scale
+                if kc_mode != 0:
                     for d in range(D):
-                        t += qv[r, d] * kchan[1, h, d]
-                    qa[r] = t
-            t = np.float32(0.0)
-            for d in range(D):
-                t += qv[r, d]
-            qs[r] = t
-
-        if eo_qk:                                          # qk_fma's even / odd bf16 halves (decode_fma.KIND_BF16_EO)
-            eo_rows(qv, R, D, tmp, False)
-        if i8_qk:
-            i8_qk = quant_i16(qv, R, D, q2i, isc[0])
-        for r in range(R):
-            vx[r] = 0.0
-        k_blk = ip[IP_K_BLK]
-        k_h = ip[IP_K_H]
-        k_s = ip[IP_K_S]
-        k_kind = ip[IP_K_KIND]
-        r_blk = ip[IP_R_BLK]
-        r_h = ip[IP_R_H]
-        r_s = ip[IP_R_S]
-        r_kind = ip[IP_R_KIND]
-        v_blk = ip[IP_V_BLK]
-        v_h = ip[IP_V_H]
-        v_s = ip[IP_V_S]
-        v_kind = ip[IP_V_KIND]
-        k_es, k_row = elem_layout(k_kind, D)              # bytes per element, elements per row (prefetching)
-        v_es, v_row = elem_layout(v_kind, Dv)
-        # the other-stream prefetch hints: the K row size and hints travel to PV, the V ones to QK
-        if (kf_ & KF_NTA) != 0:                            # prefetchnta instead of t1 (see DP_NTA)
-            k_es += PF_NTA
-            v_es += PF_NTA
-        if (kf_ & KF_AHEAD_K) != 0:                        # QK's own K rows ahead (see DP_AHEAD)
-            v_es += PF_AHEAD * min(63, max(1, AHEAD_BYTES // ((k_es & 255) * k_row)))
-        if (kf_ & KF_AHEAD_V) != 0:                        # PV's own V rows ahead
-            k_es += PF_AHEAD * min(63, max(1, AHEAD_BYTES // ((v_es & 255) * v_row)))
-        kt_mode = ip[IP_KT_MODE]
-        vt_mode = ip[IP_VT_MODE]
-        pse_kind = ip[IP_PSE_KIND]            # -1: no pse
-        has_mask = ip[IP_MASK]
-        has_band = ip[IP_BAND]
-        col_base = ip[IP_COL_BASE]
-        want_any = ip[IP_WANT_ANY]
-        prefix_pass = ip[IP_PREFIX_PASS]
+                        qv[r, d] *= kchan[0, h, d]
+                    if kc_mode == 2:
+                        t = np.float32(0.0)
+                        for d in range(D):
+                            t += qv[r, d] * kchan[1, h, d]
+                        qa[r] = t
+                t = np.float32(0.0)
+                for d in range(D):
+                    t += qv[r, d]
+                qs[r] = t
+            if eo_qk:                                      # qk_fma's even / odd bf16 halves (decode_fma.KIND_BF16_EO)
+                eo_rows(qv, R, D, tmp, False)
+            if i8_qk:
+                i8_qk = quant_i16(qv, R, D, q2.view(np.int16), isch[hh, 0])
+            i8q[hh] = i8_qk
+            for r in range(R):
+                vxh[hh, r] = 0.0
         for c0 in range(lo, hi, C):
             n = min(C, hi - c0)
             n_ = np.uint64(n)
-            # ---- element offsets of the chunk's keys
-            row_offsets(tbl, i, c0, n, bs, k_blk, h * k_h, k_s, koff)
-            row_offsets(tbl, i, c0, n, bs, v_blk, h * v_h, v_s, voff)
-            if Dr > 0:
-                row_offsets(tbl, i, c0, n, bs, r_blk, h * r_h, r_s, roff)
-            if kt_mode != 0:
-                token_scales(kt_tbl, i, h, c0, n, ip[IP_KT_BS], ip[IP_KT_BLK], ip[IP_KT_H], ip[IP_KT_S], kt_mode,
-                             kts, kto, tsk, tok)
-            if vt_mode != 0:
-                token_scales(vt_tbl, i, h, c0, n, ip[IP_VT_BS], ip[IP_VT_BLK], ip[IP_VT_H], ip[IP_VT_S], vt_mode,
-                             vts, vto, tsv, tov)
-            # ---- K chunk -> scores (the softmax scale is folded into q)
-            if dp_qk:
-                # V rows of the same keys are requested on the way. AMX: the whole 16-key blocks, 16 query rows
-                # at a time (the first group prefetches), then the rest of the keys as below
-                n0 = 0
-                if amx_qk:
-                    n0 = n & ~15
-                    for r0 in range(0, R, QK_MAX_ROWS):
-                        qk_amx(q2.ctypes.data + r0 * q2.shape[1] * 2, q2.shape[1] * 2, kbuf.ctypes.data,
-                               koff.ctypes.data, n0, s.ctypes.data + r0 * s.shape[1] * 4, s.shape[1],
-                               min(QK_MAX_ROWS, R - r0), D, scale, vbuf.ctypes.data, voff.ctypes.data,
-                               n0 if pf and r0 == 0 else 0, v_row, v_es)
-                if n0 < n:
-                    qk_dp(q2.ctypes.data, q2.shape[1] * 2, kbuf.ctypes.data, koff.ctypes.data + 8 * n0, n - n0,
-                          s.ctypes.data + 4 * n0, s.shape[1], R, D, scale, vbuf.ctypes.data, voff.ctypes.data + 8 * n0,
-                          n - n0 if pf else 0, v_row, v_es)
-            elif i8_qk:
-                qk_i8(q2.ctypes.data, q2.shape[1] * 2, kbuf.ctypes.data, koff.ctypes.data, n, s.ctypes.data,
-                      s.shape[1], R, D, isc.ctypes.data, vbuf.ctypes.data, voff.ctypes.data, n if pf else 0, v_row,
-                      v_es)
-            elif fma_qk or generic is None:
-                # (the build without generic paths: numba prunes every other branch when `generic` is None,
-                # which keeps the first-call compile time down)
-                qk_fma(qv.ctypes.data, qv.shape[1] * 4, kbuf.ctypes.data, KIND_BF16_EO if eo_qk else k_kind,
-                       koff.ctypes.data, n, s.ctypes.data,
-                       s.shape[1], R, D, vbuf.ctypes.data, voff.ctypes.data, n if pf else 0, v_row, v_es)
-            elif Dr == 0 and k_kind == KIND_BF16:
-                qk_fused(qv, views(kbuf)[1], k_kind, koff, n, s, R, D)
-            elif Dr == 0 and k_kind == KIND_FP16:
-                qk_fused(qv, views(kbuf)[1].view(np.int16), k_kind, koff, n, s, R, D)
-            elif Dr == 0 and k_kind == KIND_I8:
-                qk_fused(qv, views(kbuf)[0], k_kind, koff, n, s, R, D)
-            else:
-                k8, k16, k32, kfl = views(kbuf)
-                load_rows(k8, k16, k32, kfl, koff, n, k_kind, kf, 0, D)
+            if touch:                                  # the chunk's rows of every head, front to back (DP_TOUCH)
+                row_offsets(tbl, i, c0, n, bs, k_blk, h0 * k_h, k_s, koff)
+                sink ^= touch_rows(kbuf, koff, n, k_es_, k_span)
+                row_offsets(tbl, i, c0, n, bs, v_blk, h0 * v_h, v_s, voff)
+                sink ^= touch_rows(vbuf, voff, n, v_es_, v_span)
+            for hh in range(HB):
+                h = h0 + hh
+                qv = qvh[hh]
+                q2 = q2h[hh]
+                qa = qah[hh]
+                qs = qsh[hh]
+                rn = rnh[hh]
+                vx = vxh[hh]
+                isc = isch[hh]
+                i8_qk = i8q[hh]
+                acc = po[w, h]
+                m = pm[w, h]
+                ll = pl[w, h]
+                anyu = pany[w, h]
+                # ---- element offsets of the chunk's keys
+                row_offsets(tbl, i, c0, n, bs, k_blk, h * k_h, k_s, koff)
+                row_offsets(tbl, i, c0, n, bs, v_blk, h * v_h, v_s, voff)
                 if Dr > 0:
-                    r8, r16, r32, rfl = views(rbuf)
-                    load_rows(r8, r16, r32, rfl, roff, n, r_kind, kf, D, Dr)
-                qk_block(qv, kf, s, R, n, dq)
-            if kt_mode != 0:
-                for r in range(R):
-                    qsr = qs[r]
-                    for c in range(n_):
-                        s[r, c] = (s[r, c] + tok[c] * qsr) * tsk[c]
-            elif kc_mode == 2:
-                for r in range(R):
-                    qar = qa[r]
-                    for c in range(n_):
-                        s[r, c] += qar
-            if pse_kind >= 0:
-                p8, p16, p32, pfl = views(pse)
-                sk = np.uint64(ip[IP_PSE_K])
-                for r in range(R):
-                    base = (rb[r] * ip[IP_PSE_B] + rn[r] * ip[IP_PSE_N] + rs[r] * ip[IP_PSE_S]
-                            + (col_base + c0) * ip[IP_PSE_K])
-                    ub = np.uint64(base)
-                    if pse_kind == KIND_F32:
-                        for c in range(n_):
-                            s[r, c] += pfl[ub + c * sk]
-                    elif pse_kind == KIND_BF16:
-                        for c in range(n_):
-                            s[r, c] += bf16_to_f32(p16[ub + c * sk])
-                    else:
-                        for c in range(n_):
-                            s[r, c] += fp16_to_f32(p16[ub + c * sk])
-            if has_mask != 0 or has_band != 0:
-                mk = np.uint64(ip[IP_M_K])
-                for r in range(R):
-                    b = rb[r]
-                    il = rs[r] - geo[GEO_QLO, b]
-                    pre = geo[GEO_PRE, b]
-                    nxt = geo[GEO_NEXT, b]
-                    j0 = c0 if prefix_pass != 0 else geo[GEO_JOFS, b] + c0
-                    mbase = np.uint64(b * ip[IP_M_B] + rs[r] * ip[IP_M_S] + (col_base + c0) * ip[IP_M_K])
-                    seen = 0
-                    for c in range(n):
-                        hide = False
-                        if has_mask != 0 and mask[mbase + np.uint64(c) * mk] != 0:
-                            hide = True
-                        if has_band != 0:
-                            j = j0 + c
-                            if j > il + nxt or j < il - pre:
-                                hide = True
-                        if hide:
-                            s[r, c] = MASK_FILL
-                        else:
-                            seen = 1
-                    if want_any != 0 and seen != 0:
-                        anyu[r] = 1
-            # ---- online softmax over the chunk (and the bf16 probabilities of pv_dp)
-            sm_mode = 1 if dp_pv else (2 if i8_pv and vt_mode == 0 else 0)
-            fused = softmax_chunk(s, R, n, m, ll, vx, acc, Dv, p2, sm_mode, isc[1])
-            # ---- V chunk -> acc
-            if vt_mode != 0:
-                for r in range(R):
-                    for c in range(n_):
-                        s[r, c] *= tsv[c]
-                    if vt_mode == 2:
-                        t = np.float32(0.0)
-                        for c in range(n_):
-                            t += s[r, c] * tov[c]
-                        vx[r] += t
-            use_i8 = i8_pv and ((sm_mode == 2 and fused) or quant_i16(s, R, n, p2i, isc[1]))
-            if dp_pv or use_i8 or fma_pv or generic is None:
-                # the next chunk's K rows are requested on the way
-                nn = 0
-                if pv_k and c0 + C < hi:
-                    nn = min(C, hi - c0 - C)
-                    row_offsets(tbl, i, c0 + C, nn, bs, k_blk, h * k_h, k_s, knext)
-                if dp_pv:
-                    n0 = n & ~15 if amx_pv else 0            # AMX: the whole 16-key blocks (they prefetch)
-                    if n0 > 0:
-                        pv_amx(p2.ctypes.data, p2.shape[1] * 2, vbuf.ctypes.data, voff.ctypes.data, n0,
-                               acc.ctypes.data, Dv, R, Dv, kbuf.ctypes.data, knext.ctypes.data, nn, k_row, k_es)
-                        nn = 0
+                    row_offsets(tbl, i, c0, n, bs, r_blk, h * r_h, r_s, roff)
+                if kt_mode != 0:
+                    token_scales(kt_tbl, i, h, c0, n, ip[IP_KT_BS], ip[IP_KT_BLK], ip[IP_KT_H], ip[IP_KT_S],
+                                 kt_mode, kts, kto, tsk, tok)
+                if vt_mode != 0:
+                    token_scales(vt_tbl, i, h, c0, n, ip[IP_VT_BS], ip[IP_VT_BLK], ip[IP_VT_H], ip[IP_VT_S],
+                                 vt_mode, vts, vto, tsv, tov)
+                # ---- K chunk -> scores (the softmax scale is folded into q)
+                if dp_qk:
+                    # V rows of the same keys are requested on the way. AMX: the whole 16-key blocks, 16 query rows
+                    # at a time (the first group prefetches), then the rest of the keys as below
+                    n0 = 0
+                    if amx_qk:
+                        n0 = n & ~15
+                        for r0 in range(0, R, QK_MAX_ROWS):
+                            qk_amx(q2.ctypes.data + r0 * q2.shape[1] * 2, q2.shape[1] * 2, kbuf.ctypes.data,
+                                   koff.ctypes.data, n0, s.ctypes.data + r0 * s.shape[1] * 4, s.shape[1],
+                                   min(QK_MAX_ROWS, R - r0), D, scale, vbuf.ctypes.data, voff.ctypes.data,
+                                   n0 if pf and r0 == 0 else 0, v_row, v_es)
                     if n0 < n:
-                        pv_dp(p2.ctypes.data + 2 * n0, p2.shape[1] * 2, vbuf.ctypes.data, voff.ctypes.data + 8 * n0,
-                              n - n0, acc.ctypes.data, Dv, R, Dv, kbuf.ctypes.data, knext.ctypes.data, nn, k_row, k_es)
-                elif use_i8:
-                    pv_i8(p2.ctypes.data, p2.shape[1] * 2, vbuf.ctypes.data, voff.ctypes.data, n, acc.ctypes.data,
-                          Dv, R, Dv, isc.ctypes.data + 4 * R, kbuf.ctypes.data, knext.ctypes.data, nn, k_row, k_es)
+                        qk_dp(q2.ctypes.data, q2.shape[1] * 2, kbuf.ctypes.data, koff.ctypes.data + 8 * n0, n - n0,
+                              s.ctypes.data + 4 * n0, s.shape[1], R, D, scale, vbuf.ctypes.data,
+                              voff.ctypes.data + 8 * n0, n - n0 if pf else 0, v_row, v_es)
+                elif i8_qk:
+                    qk_i8(q2.ctypes.data, q2.shape[1] * 2, kbuf.ctypes.data, koff.ctypes.data, n, s.ctypes.data,
+                          s.shape[1], R, D, isc.ctypes.data, vbuf.ctypes.data, voff.ctypes.data, n if pf else 0,
+                          v_row, v_es)
+                elif fma_qk or generic is None:
+                    # (the build without generic paths: numba prunes every other branch when `generic` is None,
+                    # which keeps the first-call compile time down)
+                    qk_fma(qv.ctypes.data, qv.shape[1] * 4, kbuf.ctypes.data, KIND_BF16_EO if eo_qk else k_kind,
+                           koff.ctypes.data, n, s.ctypes.data,
+                           s.shape[1], R, D, vbuf.ctypes.data, voff.ctypes.data, n if pf else 0, v_row, v_es)
+                elif Dr == 0 and k_kind == KIND_BF16:
+                    qk_fused(qv, views(kbuf)[1], k_kind, koff, n, s, R, D)
+                elif Dr == 0 and k_kind == KIND_FP16:
+                    qk_fused(qv, views(kbuf)[1].view(np.int16), k_kind, koff, n, s, R, D)
+                elif Dr == 0 and k_kind == KIND_I8:
+                    qk_fused(qv, views(kbuf)[0], k_kind, koff, n, s, R, D)
                 else:
-                    pv_fma(s.ctypes.data, s.shape[1] * 4, vbuf.ctypes.data, KIND_BF16_EO if eo_pv else v_kind,
-                           voff.ctypes.data, n,
-                           acc.ctypes.data, Dv, R, Dv, kbuf.ctypes.data, knext.ctypes.data, nn, k_row, k_es)
-            elif v_kind == KIND_BF16:
-                pv_fused(s, views(vbuf)[1], v_kind, voff, n, acc, R, Dv)
-            elif v_kind == KIND_FP16:
-                pv_fused(s, views(vbuf)[1].view(np.int16), v_kind, voff, n, acc, R, Dv)
-            elif v_kind == KIND_I8:
-                pv_fused(s, views(vbuf)[0], v_kind, voff, n, acc, R, Dv)
-            else:
-                v8, v16, v32, vfl = views(vbuf)
-                load_rows(v8, v16, v32, vfl, voff, n, v_kind, vf, 0, Dv)
-                pv_block(s, vf, acc, R, n, Dv)
-        if vt_mode == 2:
-            for r in range(R):
-                x = vx[r]
-                for d in range(Dv):
-                    acc[r, d] += x
-        if eo_pv:                                          # pv_fma's even / odd channel groups back in order
-            eo_rows(acc, R, Dv, tmp, True)
+                    k8, k16, k32, kfl = views(kbuf)
+                    load_rows(k8, k16, k32, kfl, koff, n, k_kind, kf, 0, D)
+                    if Dr > 0:
+                        r8, r16, r32, rfl = views(rbuf)
+                        load_rows(r8, r16, r32, rfl, roff, n, r_kind, kf, D, Dr)
+                    qk_block(qv, kf, s, R, n, dq)
+                if kt_mode != 0:
+                    for r in range(R):
+                        qsr = qs[r]
+                        for c in range(n_):
+                            s[r, c] = (s[r, c] + tok[c] * qsr) * tsk[c]
+                elif kc_mode == 2:
+                    for r in range(R):
+                        qar = qa[r]
+                        for c in range(n_):
+                            s[r, c] += qar
+                if pse_kind >= 0:
+                    p8, p16, p32, pfl = views(pse)
+                    sk = np.uint64(ip[IP_PSE_K])
+                    for r in range(R):
+                        base = (rb[r] * ip[IP_PSE_B] + rn[r] * ip[IP_PSE_N] + rs[r] * ip[IP_PSE_S]
+                                + (col_base + c0) * ip[IP_PSE_K])
+                        ub = np.uint64(base)
+                        if pse_kind == KIND_F32:
+                            for c in range(n_):
+                                s[r, c] += pfl[ub + c * sk]
+                        elif pse_kind == KIND_BF16:
+                            for c in range(n_):
+                                s[r, c] += bf16_to_f32(p16[ub + c * sk])
+                        else:
+                            for c in range(n_):
+                                s[r, c] += fp16_to_f32(p16[ub + c * sk])
+                if has_mask != 0 or has_band != 0:
+                    mk = np.uint64(ip[IP_M_K])
+                    for r in range(R):
+                        b = rb[r]
+                        il = rs[r] - geo[GEO_QLO, b]
+                        pre = geo[GEO_PRE, b]
+                        nxt = geo[GEO_NEXT, b]
+                        j0 = c0 if prefix_pass != 0 else geo[GEO_JOFS, b] + c0
+                        mbase = np.uint64(b * ip[IP_M_B] + rs[r] * ip[IP_M_S] + (col_base + c0) * ip[IP_M_K])
+                        seen = 0
+                        for c in range(n):
+                            hide = False
+                            if has_mask != 0 and mask[mbase + np.uint64(c) * mk] != 0:
+                                hide = True
+                            if has_band != 0:
+                                j = j0 + c
+                                if j > il + nxt or j < il - pre:
+                                    hide = True
+                            if hide:
+                                s[r, c] = MASK_FILL
+                            else:
+                                seen = 1
+                        if want_any != 0 and seen != 0:
+                            anyu[r] = 1
+                # ---- online softmax over the chunk (and the bf16 probabilities of pv_dp)
+                sm_mode = 1 if dp_pv else (2 if i8_pv and vt_mode == 0 else 0)
+                fused = softmax_chunk(s, R, n, m, ll, vx, acc, Dv, p2, sm_mode, isc[1])
+                # ---- V chunk -> acc
+                if vt_mode != 0:
+                    for r in range(R):
+                        for c in range(n_):
+                            s[r, c] *= tsv[c]
+                        if vt_mode == 2:
+                            t = np.float32(0.0)
+                            for c in range(n_):
+                                t += s[r, c] * tov[c]
+                            vx[r] += t
+                use_i8 = i8_pv and ((sm_mode == 2 and fused) or quant_i16(s, R, n, p2i, isc[1]))
+                if dp_pv or use_i8 or fma_pv or generic is None:
+                    # the next chunk's K rows are requested on the way
+                    nn = 0
+                    if pv_k and c0 + C < hi:
+                        nn = min(C, hi - c0 - C)
+                        row_offsets(tbl, i, c0 + C, nn, bs, k_blk, h * k_h, k_s, knext)
+                    if dp_pv:
+                        n0 = n & ~15 if amx_pv else 0            # AMX: the whole 16-key blocks (they prefetch)
+                        if n0 > 0:
+                            pv_amx(p2.ctypes.data, p2.shape[1] * 2, vbuf.ctypes.data, voff.ctypes.data, n0,
+                                   acc.ctypes.data, Dv, R, Dv, kbuf.ctypes.data, knext.ctypes.data, nn, k_row, k_es)
+                            nn = 0
+                        if n0 < n:
+                            pv_dp(p2.ctypes.data + 2 * n0, p2.shape[1] * 2, vbuf.ctypes.data,
+                                  voff.ctypes.data + 8 * n0, n - n0, acc.ctypes.data, Dv, R, Dv, kbuf.ctypes.data,
+                                  knext.ctypes.data, nn, k_row, k_es)
+                    elif use_i8:
+                        pv_i8(p2.ctypes.data, p2.shape[1] * 2, vbuf.ctypes.data, voff.ctypes.data, n, acc.ctypes.data,
+                              Dv, R, Dv, isc.ctypes.data + 4 * R, kbuf.ctypes.data, knext.ctypes.data, nn, k_row, k_es)
+                    else:
+                        pv_fma(s.ctypes.data, s.shape[1] * 4, vbuf.ctypes.data, KIND_BF16_EO if eo_pv else v_kind,
+                               voff.ctypes.data, n,
+                               acc.ctypes.data, Dv, R, Dv, kbuf.ctypes.data, knext.ctypes.data, nn, k_row, k_es)
+                elif v_kind == KIND_BF16:
+                    pv_fused(s, views(vbuf)[1], v_kind, voff, n, acc, R, Dv)
+                elif v_kind == KIND_FP16:
+                    pv_fused(s, views(vbuf)[1].view(np.int16), v_kind, voff, n, acc, R, Dv)
+                elif v_kind == KIND_I8:
+                    pv_fused(s, views(vbuf)[0], v_kind, voff, n, acc, R, Dv)
+                else:
+                    v8, v16, v32, vfl = views(vbuf)
+                    load_rows(v8, v16, v32, vfl, voff, n, v_kind, vf, 0, Dv)
+                    pv_block(s, vf, acc, R, n, Dv)
+        for h in range(h0, h0 + HB):
+            acc = po[w, h]
+            if vt_mode == 2:
+                for r in range(R):
+                    x = vxh[h - h0, r]
+                    for d in range(Dv):
+                        acc[r, d] += x
+            if eo_pv:                                      # pv_fma's even / odd channel groups back in order
+                eo_rows(acc, R, Dv, tmp, True)
+    sinks[0] = sink                                        # (keeps the touch loads)
 
 
 @njit(nogil=True, fastmath=FM, cache=True)
 def attend_items(items, counter, ip, fp, geo, work, tbl, bufs, kchan, kt_tbl, vt_tbl, po, pm, pl, pany,
                  generic):
-    """Items (w * KV_N + h) without the GIL. Every thread running this call takes the next item of
+    """Items (w * (KV_N / HB) + h / HB) without the GIL. Every thread running this call takes the next item of
     `items` (longest first) through the shared atomic `counter` until none is left: dynamic
     scheduling, so a thread that loses its core to another process does not hold up the call.
     Buffers come as (address, bytes) in `bufs` (see BUF_*). `generic`: None compiles (and runs) only
@@ -1142,19 +1214,20 @@ def attend_items(items, counter, ip, fp, geo, work, tbl, bufs, kchan, kt_tbl, vt
     vto = buf_f32(bufs, BUF_VTO)
     pse = buf_bytes(bufs, BUF_PSE)
     mask = buf_bytes(bufs, BUF_MASK)
-    # scratch, once per call (per thread)
-    qv = np.zeros((R, dq), np.float32)
-    qa = np.zeros(R, np.float32)
-    qs = np.zeros(R, np.float32)
+    HB = ip[IP_HB]
+    # scratch, once per call (per thread); [HB, ...]: per KV head of an item
+    qv = np.zeros((HB, R, dq), np.float32)
+    qa = np.zeros((HB, R), np.float32)
+    qs = np.zeros((HB, R), np.float32)
     rb = np.zeros(R, np.int64)
-    rn = np.zeros(R, np.int64)
+    rn = np.zeros((HB, R), np.int64)
     rs = np.zeros(R, np.int64)
     tmp = np.zeros((1, dq), np.float32)
     offs = np.zeros(1, np.int64)
     kf = np.empty((C, dq), np.float32)
     vf = np.empty((C, Dv), np.float32)
     s = np.empty((R, C), np.float32)
-    vx = np.zeros(R, np.float32)
+    vx = np.zeros((HB, R), np.float32)
     koff = np.zeros(C, np.int64)
     voff = np.zeros(C, np.int64)
     roff = np.zeros(C, np.int64)
@@ -1162,14 +1235,16 @@ def attend_items(items, counter, ip, fp, geo, work, tbl, bufs, kchan, kt_tbl, vt
     tok = np.zeros(C, np.float32)
     tsv = np.ones(C, np.float32)
     tov = np.zeros(C, np.float32)
-    q2 = np.zeros((R, dq), np.uint16)           # bf16 query bits of the dp kernels
+    q2 = np.zeros((HB, R, dq), np.uint16)       # bf16 query bits of the dp kernels
     p2 = np.zeros((R, C + 2), np.uint16)        # bf16 / int16 probabilities (pv_dp / pv_i8 read pairs: a spare column)
-    isc = np.zeros((2, R), np.float32)          # the int16 query / probability scales (quant_i16)
+    isc = np.zeros((HB, 2, R), np.float32)      # the int16 query / probability scales (quant_i16)
+    i8q = np.zeros(HB, np.bool_)                # the int16 query of a head is usable (quant_i16)
+    sinks = np.zeros(1, np.uint64)              # what touch_rows read
     knext = np.zeros(C, np.int64)               # the next chunk's K row offsets (prefetched during PV)
     _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbuf,
            kt_tbl, kts, kto, vt_tbl, vts, vto, pse, mask, po, pm, pl, pany,
            qv, qa, qs, rb, rn, rs, tmp, offs, kf, vf, s, vx, koff, voff, roff, tsk, tok, tsv, tov, q2, p2, knext,
-           isc, generic)
+           isc, i8q, sinks, generic)
 
 
 # ---------------------------------------------------------------------------------------------- planning

@@ -1,7 +1,9 @@
 """The case table and the input builders.
 
-Every case is BNSD. Decode: Q_S = 1, no mask; the K/V cache is dense, paged (block 128, a shuffled block
-table over a shared pool), or int8 with per-channel (mode 0) or per-token (mode 1) antiquant scales.
+Every case is BNSD unless its name says otherwise. Decode: Q_S = 1, no mask; the K/V cache is dense, paged
+(block 128, a shuffled block table over a shared pool), or int8 with per-channel (mode 0) or per-token (mode 1)
+antiquant scales; the "-bsnd" cases keep a dense cache as [B, S, KV_N, D] (BSND), the "-bsh" paged ones a pool
+[blocks, block_size, KV_N * D] (BSH): a token's rows of all KV heads side by side.
 Prefill: Q_S = KV_S = S, one of causal (sparse_mode 2 + the 2048x2048 template), band (sparse_mode 4,
 pre = next = 256, template) or pse_shift (an ALiBi bias [1, N, S, S], no mask).
 """
@@ -32,6 +34,7 @@ class Case:
     S_q: int
     S_kv: int
     storage: str = "dense"    # dense | paged | int8-chan | int8-tok
+    layout: str = "BNSD"      # BNSD | BSND (dense) | BSH (paged): how K / V (and Q) are laid out
     mask: str = "none"        # none | causal | band | pse
     block_size: int = 128
     pre: int = 256
@@ -76,9 +79,9 @@ class Case:
         issue 7's paged (within 15 % of dense) and int8 (>= 1.6x our dense run) targets are ratios to it,
         so the bench times it in the same blocks as the case (a ratio of two cases timed minutes apart
         measures the host's drift: session 13, the same call took 7.0-18.9 ms within the hour)."""
-        if self.kind != "decode" or self.storage == "dense":
+        if self.kind != "decode" or (self.storage == "dense" and self.layout == "BNSD"):
             return None
-        return replace(self, name=f"{self.name}:dense", storage="dense")
+        return replace(self, name=f"{self.name}:dense", storage="dense", layout="BNSD")
 
     def input_bytes(self) -> int:
         """Rough resident size of the inputs (for the memory guard)."""
@@ -87,9 +90,16 @@ class Case:
         return self.kv_bytes() + self.B * self.N * self.S_q * self.D * esz + pse
 
 
-def decode_case(dtype: str, storage: str, S_kv: int, B=8, N=32, KV_N=8, D=128) -> Case:
-    tag = "paged128" if storage == "paged" else storage
-    return Case(f"decode-{dtype}-{tag}-kv{S_kv}", "decode", dtype, B, N, KV_N, D, 1, S_kv, storage=storage)
+def decode_case(dtype: str, storage: str, S_kv: int, B=8, N=32, KV_N=8, D=128, layout="BNSD") -> Case:
+    tag = ("paged128" if storage == "paged" else storage) + ("" if layout == "BNSD" else f"-{layout.lower()}")
+    return Case(f"decode-{dtype}-{tag}-kv{S_kv}", "decode", dtype, B, N, KV_N, D, 1, S_kv, storage=storage,
+                layout=layout)
+
+
+def token_major_cases(S_kv: int, dtype="bf16") -> list[Case]:
+    """The decode cases whose K / V hold a token's rows of all KV heads side by side (the operator's BSH /
+    BSND layouts, the paged [blocks, block_size, H] cache); their dense twin is the BNSD case."""
+    return [decode_case(dtype, "dense", S_kv, layout="BSND"), decode_case(dtype, "paged", S_kv, layout="BSH")]
 
 
 def multi_token_decode_case(S_q: int, S_kv: int, dtype="bf16") -> Case:
@@ -110,6 +120,7 @@ def prefill_case(dtype: str, mask: str, S: int, B=1, N=32, KV_N=8, D=128) -> Cas
 def full_table() -> list[Case]:
     cases = [small_decode_case()]
     cases += [decode_case(dt, st, s) for s in (1024, 4096, 16384) for dt in DTYPES for st in STORAGES]
+    cases += [c for s in (4096, 16384) for c in token_major_cases(s)]
     cases += [multi_token_decode_case(q, 4096) for q in (2, 4)]
     cases += [prefill_case(dt, m, s) for s in (1024, 2048, 8192) for dt in ("bf16", "fp16") for m in MASKS]
     return cases
@@ -117,6 +128,7 @@ def full_table() -> list[Case]:
 
 def quick_table() -> list[Case]:
     cases = [small_decode_case()] + [decode_case(dt, st, 4096) for dt in DTYPES for st in STORAGES]
+    cases += token_major_cases(4096)
     cases += [prefill_case("bf16", m, 1024) for m in MASKS] + [prefill_case("fp16", "causal", 1024)]
     return cases
 
@@ -140,6 +152,7 @@ class Inputs:
     case: Case
     q: torch.Tensor                              # [B, N, S_q, D]
     key: torch.Tensor                            # dense/int8 [B, KV_N, S_kv, D]; paged pool [blocks, KV_N, bs, D]
+    #                                              (views of the case's layout: fia_args gives it)
     value: torch.Tensor                          # like key
     block_table: Optional[torch.Tensor] = None   # int32 [B, S_kv / bs]
     k_scale: Optional[torch.Tensor] = None       # int8-chan [1, KV_N, 1, D] (dtype); int8-tok [1, B, S_kv] f32
@@ -156,7 +169,7 @@ class Inputs:
         """Keyword arguments of npu_fused_infer_attention_score (besides query/key/value)."""
         c = self.case
         kw = dict(num_heads=self.q.shape[1], num_key_value_heads=self.key.shape[1], scale=self.scale,
-                  input_layout="BNSD")
+                  input_layout=c.layout)
         if c.storage == "paged":
             kw.update(block_table=self.block_table, block_size=c.block_size, actual_seq_lengths_kv=[c.S_kv] * c.B)
         elif c.storage.startswith("int8"):
@@ -171,18 +184,56 @@ class Inputs:
             kw.update(pse_shift=self.pse)
         return kw
 
+    def fia_args(self) -> tuple:
+        """(query, key, value) as the case's layout lays them out (views of the same memory; BSH: the query
+        reshaped)."""
+        lay, q, k, v = self.case.layout, self.q, self.key, self.value
+        if lay == "BSND":                                  # [B, S, N, D]
+            return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if lay == "BSH":                                   # query [B, S_q, N * D], pool [blocks, bs, KV_N * D]
+            B, N, S_q, D = q.shape
+            tok = lambda t: t.transpose(1, 2).reshape(t.shape[0], t.shape[2], -1)  # noqa: E731
+            return q.transpose(1, 2).reshape(B, S_q, N * D), tok(k), tok(v)
+        return q, k, v
+
+    def canonical_out(self, out: torch.Tensor) -> torch.Tensor:
+        """FIA's output in the case's layout -> [B, N, S_q, D]."""
+        lay = self.case.layout
+        if lay == "BSND":
+            return out.transpose(1, 2)
+        if lay == "BSH":
+            B, N, S_q, D = self.q.shape
+            return out.reshape(B, S_q, N, D).transpose(1, 2)
+        return out
+
     def head_slice(self) -> "Inputs":
         """The same problem restricted to KV head 0 and its G query heads (contiguous copies).
 
         Head groups are independent, so its output equals heads [0, G) of the full output.
         """
         G = self.case.G
-        one = lambda t: None if t is None else t[:, :1].contiguous()  # noqa: E731
+        # (copies in the case's layout, so that fia_args gives them as the case does)
+        one = lambda t: None if t is None else _like_layout(t[:, :1], self.case.layout)  # noqa: E731
         per_chan = self.case.storage == "int8-chan"
-        return Inputs(self.case, self.q[:, :G].contiguous(), one(self.key), one(self.value), self.block_table,
+        return Inputs(self.case, _like_layout(self.q[:, :G], self.case.layout), one(self.key), one(self.value),
+                      self.block_table,
                       one(self.k_scale) if per_chan else self.k_scale,
                       one(self.v_scale) if per_chan else self.v_scale,
                       None if self.pse is None else self.pse[:, :G].contiguous(), self.mask)
+
+
+def _like_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """A contiguous copy of a canonical [X, N, S, D] view, stored in the layout (BNSD: as is; BSND / BSH: token
+    major) and returned as the canonical view of that storage."""
+    if layout == "BNSD":
+        return t.contiguous()
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _token_major(*shape, randn) -> torch.Tensor:
+    """randn stored token-major ([X, S, N, D]) as the canonical [X, N, S, D] view."""
+    x, n, s, d = shape
+    return randn(x, s, n, d).transpose(1, 2)
 
 
 def alibi(N: int, S_q: int, S_kv: int, dtype: torch.dtype) -> torch.Tensor:
@@ -199,15 +250,16 @@ def build(case: Case, seed: int = 0) -> Inputs:
     dt = case.torch_dtype
     B, N, KV_N, D, S_q, S_kv = case.B, case.N, case.KV_N, case.D, case.S_q, case.S_kv
     randn = lambda *shape: torch.randn(*shape, generator=g, dtype=dt)  # noqa: E731
-    q = randn(B, N, S_q, D)                                            # [B, N, S_q, D]
+    kv = randn if case.layout == "BNSD" else lambda *shape: _token_major(*shape, randn=randn)  # noqa: E731
+    q = kv(B, N, S_q, D)                                               # [B, N, S_q, D]
     inp = Inputs(case, q, None, None)
     if case.storage == "dense":
-        inp.key, inp.value = randn(B, KV_N, S_kv, D), randn(B, KV_N, S_kv, D)
+        inp.key, inp.value = kv(B, KV_N, S_kv, D), kv(B, KV_N, S_kv, D)
     elif case.storage == "paged":
         bs = case.block_size
         nb = -(-S_kv // bs)
         blocks = B * nb + 8                                            # a shared pool with spare blocks
-        inp.key, inp.value = randn(blocks, KV_N, bs, D), randn(blocks, KV_N, bs, D)
+        inp.key, inp.value = kv(blocks, KV_N, bs, D), kv(blocks, KV_N, bs, D)
         perm = torch.randperm(blocks, generator=g)[: B * nb]
         inp.block_table = perm.view(B, nb).to(torch.int32)             # [B, nb]
     else:                                                              # int8 + antiquant scales

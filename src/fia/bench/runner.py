@@ -190,16 +190,18 @@ def _fia_call(fia, inp: C.Inputs, backend: Optional[str]) -> Callable[[], torch.
     kw = inp.fia_kwargs()
     fn = fia.npu_fused_infer_attention_score
 
+    args, canon = inp.fia_args(), inp.canonical_out
+
     def run() -> torch.Tensor:
         with fia.use_backend(backend):
-            out, _ = fn(inp.q, inp.key, inp.value, **kw)
-        return out                                                  # [B, N, S_q, D]
+            out, _ = fn(*args, **kw)
+        return canon(out)                                           # [B, N, S_q, D]
 
     def run_auto() -> torch.Tensor:
         # the automatic choice with no backend forced anywhere: the call alone (the context manager costs
         # ~2-4 us of the small decode case on a slow host, none of it FIA's)
-        out, _ = fn(inp.q, inp.key, inp.value, **kw)
-        return out
+        out, _ = fn(*args, **kw)
+        return canon(out)
     get = getattr(fia, "get_backend", None)
     return run_auto if backend is None and get is not None and get() is None else run
 
@@ -211,7 +213,7 @@ def _selected_backend(fia, inp: C.Inputs) -> Optional[str]:
         return None
     try:
         with fia.use_backend(None):
-            return explain(inp.q, inp.key, inp.value, **inp.fia_kwargs()).selected
+            return explain(*inp.fia_args(), **inp.fia_kwargs()).selected
     except Exception:
         return None
 
@@ -256,7 +258,7 @@ def _call_s(info: dict) -> float:
 
 def case_record(case: C.Case, ceilings) -> dict:
     rec = {k: getattr(case, k) for k in ("name", "kind", "dtype", "B", "N", "KV_N", "D", "S_q", "S_kv",
-                                         "storage", "mask")}
+                                         "storage", "layout", "mask")}
     rec.update(kv_bytes=case.kv_bytes(), flops=case.flops(), unmasked_pairs=case.unmasked_pairs())
     if case.kind == "decode":
         rec.update(metric="GB/s", ceiling=ceilings.read_gbps, ceiling_basis="read bandwidth")
