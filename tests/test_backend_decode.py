@@ -202,15 +202,16 @@ def test_prefetch_bits_follow_the_bytes_read(monkeypatch):
     monkeypatch.setattr(K, "DP_FLAGS", K.DP_FLAGS | pf)
     monkeypatch.setattr(DEC, "PREFETCH_MIN_BYTES", 1 << 20)
     ip = [0] * K.IP_LEN
+    flags = lambda keys, H: DEC._dp_flags(K, DEC._key_bytes(K, ip), keys, H)  # noqa: E731
     ip[K.IP_D], ip[K.IP_DV], ip[K.IP_K_KIND], ip[K.IP_V_KIND] = 128, 128, K.KIND_BF16, K.KIND_BF16
-    assert DEC._dp_flags(K, ip, 256, 8) == K.DP_FLAGS & ~pf            # 256 keys x 8 heads x 512 B = 1 MiB
-    assert DEC._dp_flags(K, ip, 257, 8) == K.DP_FLAGS
+    assert flags(256, 8) == K.DP_FLAGS & ~pf            # 256 keys x 8 heads x 512 B = 1 MiB
+    assert flags(257, 8) == K.DP_FLAGS
     ip[K.IP_K_KIND], ip[K.IP_V_KIND] = K.KIND_I8, K.KIND_I4            # 128 + 64 bytes per key
-    assert DEC._dp_flags(K, ip, 1024 * 1024 // 192 // 8, 8) == K.DP_FLAGS & ~pf
-    assert DEC._dp_flags(K, ip, 1024 * 1024 // 192 // 8 + 1, 8) == K.DP_FLAGS
+    assert flags(1024 * 1024 // 192 // 8, 8) == K.DP_FLAGS & ~pf
+    assert flags(1024 * 1024 // 192 // 8 + 1, 8) == K.DP_FLAGS
     ip[K.IP_K_KIND], ip[K.IP_V_KIND], ip[K.IP_DR], ip[K.IP_R_KIND] = K.KIND_F32, K.KIND_BF16, 64, K.KIND_BF16
-    assert DEC._dp_flags(K, ip, 1024 * 1024 // 896, 1) == K.DP_FLAGS & ~pf     # 512 + 256 + 128 bytes per key
-    assert DEC._dp_flags(K, ip, 1024 * 1024 // 896 + 1, 1) == K.DP_FLAGS
+    assert flags(1024 * 1024 // 896, 1) == K.DP_FLAGS & ~pf     # 512 + 256 + 128 bytes per key
+    assert flags(1024 * 1024 // 896 + 1, 1) == K.DP_FLAGS
 
 
 # ---------------------------------------------------------------------------------------------- dense, GQA

@@ -389,6 +389,7 @@ class _Launch(NamedTuple):
     items: np.ndarray       # item order (longest first when threaded)
     threads: int
     generic: Optional[np.ndarray]
+    key_bytes: float        # bytes of K / V (and rope) per key and KV head (_dp_flags)
 
 
 class _Plan(NamedTuple):
@@ -564,17 +565,22 @@ def _launch_plan(src: "_Source", ip: list, K, work: np.ndarray, w0: int, w1: int
     HB in the order the threads take them. Threaded: longest first; small work (keys x H x R <
     PARALLEL_MIN_WORK) stays on the calling thread."""
     src.ints(ip, K)
-    ip[K.IP_DP] = _dp_flags(K, ip, keys, H)
+    key_bytes = _key_bytes(K, ip)
+    ip[K.IP_DP] = _dp_flags(K, key_bytes, keys, H)
     items, t = _schedule(work, H, R, threads, keys, ip[K.IP_HB])
-    return _Launch(np.array(ip, np.int64), work, w0, w1, items, t, src.generic())
+    return _Launch(np.array(ip, np.int64), work, w0, w1, items, t, src.generic(), key_bytes)
 
 
-def _dp_flags(K, ip, keys: int, H: int) -> int:
-    """ip[IP_DP] of a launch over `keys` keys x H KV heads (its K / V kinds in ip): DP_FLAGS, without the
-    prefetch bits when it reads at most PREFETCH_MIN_BYTES of K / V."""
-    per_key = sum(ip[d] * _KIND_BYTES[int(ip[kind])]
-                  for d, kind in ((K.IP_D, K.IP_K_KIND), (K.IP_DV, K.IP_V_KIND), (K.IP_DR, K.IP_R_KIND)))
-    if keys * H * per_key <= PREFETCH_MIN_BYTES:
+def _key_bytes(K, ip) -> float:
+    """Bytes per key and KV head of a launch's K / V (and rope), from the kinds and head dims in ip."""
+    return float(sum(int(ip[d]) * _KIND_BYTES[int(ip[kind])]
+                     for d, kind in ((K.IP_D, K.IP_K_KIND), (K.IP_DV, K.IP_V_KIND), (K.IP_DR, K.IP_R_KIND))))
+
+
+def _dp_flags(K, key_bytes: float, keys: int, H: int) -> int:
+    """ip[IP_DP] of a launch over `keys` keys x H KV heads of key_bytes each (_key_bytes): DP_FLAGS, without
+    the prefetch bits when it reads at most PREFETCH_MIN_BYTES of K / V."""
+    if keys * H * key_bytes <= PREFETCH_MIN_BYTES:
         return K.DP_FLAGS & ~(K.DP_PREFETCH_BITS | K.DP_TOUCH)
     return K.DP_FLAGS
 
@@ -598,19 +604,18 @@ def _relength(plan: _Plan, p: AttentionProblem, kv_lens: np.ndarray, K, threads:
     is left (the full path handles it)."""
     geo = plan.geo.copy()
     geo[K.GEO_S2] = kv_lens
-    lens = np.where(geo[K.GEO_QHI] > geo[K.GEO_QLO], kv_lens, 0)       # batches without query rows: no keys
-    kv_lo = np.zeros_like(lens)
+    lens = kv_lens * (geo[K.GEO_QHI] > geo[K.GEO_QLO])                 # batches without query rows: no keys
     keys = int(lens.sum())
     launch = plan.own[0]
-    hb = int(launch.ip[K.IP_HB])
-    work, wrange = K.split_work(lens, kv_lo, p.KV_N // hb, threads, int(launch.ip[K.IP_C]), MIN_SPLIT,
-                                ITEMS_PER_THREAD)
+    ip = launch.ip
+    hb = int(ip[K.IP_HB])
+    work, wrange = K.split_work(lens, np.zeros(len(lens), np.int64), p.KV_N // hb, threads, int(ip[K.IP_C]),
+                                MIN_SPLIT, ITEMS_PER_THREAD)
     W = work.shape[1]
     if W == 0:
         return None
     items, t = _schedule(work, p.KV_N, p.G * p.Q_S, threads, keys, hb)
-    ip = launch.ip
-    flags = _dp_flags(K, ip, keys, p.KV_N)
+    flags = _dp_flags(K, launch.key_bytes, keys, p.KV_N)
     if flags != ip[K.IP_DP]:                      # (the prefetch choice follows the bytes read)
         ip = ip.copy()
         ip[K.IP_DP] = flags
