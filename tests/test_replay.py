@@ -135,7 +135,7 @@ def test_key_separates_what_the_full_path_separates():
     assert replay.key_of("f", q, k, k, dict(base, atten_mask=torch.zeros(1, 1, 16, dtype=torch.bool))) is None
     assert replay.key_of("f", q, k, k, dict(base, actual_seq_lengths_kv=[16])) is None
     assert replay.key_of("f", torch.nn.Parameter(q.float()), k, k, base) is None
-    # dequantization tensors: keyed by their metadata, not their values; never with a lengths list
+    # dequantization tensors: keyed by their metadata, not their values; with a lengths list too (its count)
     sc = torch.rand(2, 128)
     kq = replay.key_of("f", q, k, k, dict(base, antiquant_scale=sc))
     assert kq is not None and kq != key
@@ -144,8 +144,11 @@ def test_key_separates_what_the_full_path_separates():
     assert replay.key_of("f", q, k, k, dict(base, antiquant_scale=sc.reshape(2, 4, 32))) != kq
     assert replay.key_of("f", q, k, k, dict(base, antiquant_scale=sc.t().contiguous().t())) != kq
     assert replay.key_of("f", q, k, k, dict(base, key_antiquant_scale=sc)) != kq
-    assert replay.key_of("npu_fused_infer_attention_score", q, k, k,
-                         dict(base, antiquant_scale=sc, actual_seq_lengths_kv=[16])) is None
+    kl = replay.key_of(FUSED, q, k, k, dict(base, antiquant_scale=sc, actual_seq_lengths_kv=[16]))
+    assert kl is not None and kl[-2:] == (("antiquant_scale",), "actual_seq_lengths_kv")
+    kw9 = dict(base, antiquant_scale=torch.rand(2, 128), actual_seq_lengths_kv=[9])
+    assert replay.key_of(FUSED, q, k, k, kw9) == kl
+    assert replay.key_of(FUSED, q, k, k, dict(base, antiquant_scale=sc.half(), actual_seq_lengths_kv=[16])) != kl
 
 
 def test_forced_backend_and_mode_are_respected():
@@ -186,28 +189,44 @@ def test_stale_plan_takes_the_full_path(monkeypatch):
 
 
 def test_not_offered_where_other_data_are_read():
-    """int8 K/V with per-token scales (read inside the loop), a mask: no replay (never keyed or never offered)."""
+    """int4 K/V (packed: the factors' views are not the call's), a mask: no replay (never keyed or never
+    offered)."""
     B, N, KV_N, S, D = 1, 4, 4, 64, 64
     g = gen(9)
-    q = randn((B, N, 1, D), g, torch.bfloat16)
-    k8 = torch.randint(-100, 100, (B, KV_N, S, D), dtype=torch.int8)
-    tok = torch.rand(2, B, S, generator=g) + 0.5
+    q = randn((B, N, 1, D), g, torch.float16)
+    k4 = torch.randint(-2 ** 31, 2 ** 31 - 1, (B, KV_N, S, D // 8), dtype=torch.int64).to(torch.int32)
+    chan = torch.rand(2, KV_N, D, generator=g).half() + 0.5
     mask = torch.rand(B, 1, 1, S, generator=g) < 0.2
-    for kw in (dict(antiquant_scale=tok, antiquant_mode=1), dict(atten_mask=mask)):
-        k = k8 if "antiquant_scale" in kw else randn((B, KV_N, S, D), g, torch.bfloat16)
+    for kw in (dict(key_antiquant_scale=chan[0], value_antiquant_scale=chan[1]), dict(atten_mask=mask)):
+        k = k4 if "key_antiquant_scale" in kw else randn((B, KV_N, S, D), g, torch.float16)
         for _ in range(3):
             fia.npu_fused_infer_attention_score(q, k, k, num_heads=N, num_key_value_heads=KV_N, input_layout="BNSD",
                                                 scale=0.125, **kw)
     assert replay.stats["admitted"] == 0 and replay.stats["replayed"] == 0
 
 
-def _antiquant_args(g, mode: str, KV_N: int, D: int, dt):
+def _antiquant_args(g, mode: str, KV_N: int, D: int, dt, B: int = 2, S: int = 96):
     """Dequantization arguments of one kind (new values every call, the same metadata)."""
-    def pos(*shape):
+    def pos(*shape, dt=dt):
         return (torch.rand(*shape, generator=g) + 0.5).to(dt)
 
-    def off(*shape):
+    def off(*shape, dt=dt):
         return torch.randn(*shape, generator=g).to(dt)
+    f32 = torch.float32
+    if mode == "tok":                                # per token, key and value in one [2, B, S] tensor
+        return dict(antiquant_scale=pos(2, B, S, dt=f32), antiquant_offset=off(2, B, S, dt=f32), antiquant_mode=1)
+    if mode == "sep-tok":
+        return dict(key_antiquant_scale=pos(1, B, S, dt=f32), value_antiquant_scale=pos(1, B, S, dt=f32),
+                    key_antiquant_mode=1, value_antiquant_mode=1)
+    if mode == "sep-tok-head":                       # per token and head: slices of wider tensors
+        sc, of = pos(B, KV_N, 2 * S, dt=f32), off(B, KV_N, 2 * S, dt=f32)
+        return dict(key_antiquant_scale=sc[..., :S], value_antiquant_scale=sc[..., S:],
+                    key_antiquant_offset=of[..., :S], value_antiquant_offset=of[..., S:],
+                    key_antiquant_mode=3, value_antiquant_mode=3)
+    if mode == "chan+tok":                           # key per channel, value per token (fp16 query)
+        return dict(key_antiquant_scale=pos(KV_N, D), key_antiquant_offset=off(KV_N, D),
+                    value_antiquant_scale=pos(1, B, S, dt=f32), value_antiquant_offset=off(1, B, S, dt=f32),
+                    key_antiquant_mode=0, value_antiquant_mode=1)
     if mode == "chan":
         return dict(antiquant_scale=pos(2, KV_N * D), antiquant_mode=0)
     if mode == "chan-offset":
@@ -224,12 +243,16 @@ def _antiquant_args(g, mode: str, KV_N: int, D: int, dt):
 
 
 @pytest.mark.parametrize("mode,S", [("chan", 96), ("chan-offset", 96), ("tensor", 96), ("sep-chan", 96),
-                                    ("sep-head", 96), ("chan-offset", 2048)])
+                                    ("sep-head", 96), ("chan-offset", 2048), ("tok", 96), ("sep-tok", 96),
+                                    ("sep-tok-head", 96), ("chan+tok", 96), ("sep-tok-head", 2048)])
 @pytest.mark.parametrize("qdt", [torch.bfloat16, torch.float16])
 def test_antiquant_replay_equals_full_path_on_new_scales(mode, S, qdt):
-    """int8 K/V whose dequantization factors are per tensor / channel / head: replayed, each call's factors
-    taken from its own scale / offset tensors (new values every call, and one changed in place). 2048 keys:
-    the threaded launch (merge apart) where torch has two threads."""
+    """int8 K/V whose dequantization factors are per tensor / channel / head / token: replayed, each call's
+    factors taken from its own scale / offset tensors (new values every call, and one changed in place; per
+    token: read in place at each call's addresses). 2048 keys: the threaded launch (merge apart) where torch
+    has two threads."""
+    if mode == "chan+tok" and qdt == torch.bfloat16:
+        pytest.skip("key per channel + value per token takes a float16 query")
     B, N, KV_N, D = 2, 8, 2, 64
     g = gen(11)
     q0 = randn((B, N, 1, D), g, qdt)
@@ -239,7 +262,7 @@ def test_antiquant_replay_equals_full_path_on_new_scales(mode, S, qdt):
         q = randn((B, N, 1, D), g, qdt) if step else q0
         k8 = torch.randint(-128, 128, (B, KV_N, S, D), generator=g, dtype=torch.int8)
         v8 = torch.randint(-128, 128, (B, KV_N, S, D), generator=g, dtype=torch.int8)
-        kw = dict(base, **_antiquant_args(g, mode, KV_N, D, qdt))
+        kw = dict(base, **_antiquant_args(g, mode, KV_N, D, qdt, B, S))
         if step == 4:                                     # the same tensors again, one scale changed in place
             kw = last
             name = "antiquant_scale" if "antiquant_scale" in kw else "value_antiquant_scale"
@@ -473,6 +496,55 @@ def test_paged_lengths_replay_equals_full_path_every_call(dims):
     assert bits_equal(got[0], want[0]) and replay.stats["replayed"] == n + 1
     with pytest.raises(fia.FiaInputError):               # lengths past the table's columns
         fia.npu_fused_infer_attention_score(q, kc, vc, block_table=bt, actual_seq_lengths_kv=[mb * bs + 1, 1, 1], **kw)
+
+
+@pytest.mark.parametrize("mode", ["chan-offset", "sep-head", "tok", "sep-tok-head", "chan+tok"])
+def test_antiquant_lengths_replay_equals_full_path_every_call(mode):
+    """A decode loop over an int8 cache with dequantization tensors: new lengths, new scales (new tensors, and
+    the same ones changed in place) every call; each call equals the full path bit for bit, and they replay."""
+    B, N, KV_N, S, D = 3, 8, 2, 300, 64
+    g = gen(1050 + len(mode))
+    qdt = torch.float16
+    k8 = torch.randint(-128, 128, (B, KV_N, S, D), generator=g, dtype=torch.int8)
+    v8 = torch.randint(-128, 128, (B, KV_N, S, D), generator=g, dtype=torch.int8)
+    base = dict(num_heads=N, num_key_value_heads=KV_N, input_layout="BNSD", scale=0.125, softmax_lse_flag=True)
+    seq = [lens for lens in _lengths_sequence(g, B, S, 14) if type(lens) is list and len(lens) == B]
+    aq = _antiquant_args(g, mode, KV_N, D, qdt, B, S)
+    for step, lens in enumerate(seq):
+        if step % 2:
+            aq = _antiquant_args(g, mode, KV_N, D, qdt, B, S)
+        else:
+            next(t for t in aq.values() if type(t) is torch.Tensor).mul_(1.25)
+        q = randn((B, N, 1, D), g, qdt)
+        kw = dict(base, actual_seq_lengths_kv=lens, **aq)
+        got = fia.npu_fused_infer_attention_score(q, k8, v8, **kw)
+        want = full_path(fia.npu_fused_infer_attention_score, q, k8, v8, **kw)
+        assert bits_equal(got[0], want[0]) and bits_equal(got[1], want[1]), (step, lens)
+    assert replay.stats["admitted"] == 1 and replay.stats["refused"] == 0, replay.stats
+    assert replay.stats["replayed"] == len(seq) - 2, replay.stats
+
+
+@pytest.mark.parametrize("mode", [4, 5])
+def test_paged_per_token_lengths_replay_follows_the_table(mode):
+    """Per-token factors stored by paged block (modes 4 / 5: [blocks, bs] / [blocks, KV_N, bs]) in a paged
+    decode loop: each call's factors are found through its own block table."""
+    B, N, KV_N, D, bs, nb, mb = 2, 8, 2, 64, 32, 10, 3
+    g = gen(1070 + mode)
+    kc = torch.randint(-128, 128, (nb, KV_N, bs, D), generator=g, dtype=torch.int8)
+    vc = torch.randint(-128, 128, (nb, KV_N, bs, D), generator=g, dtype=torch.int8)
+    shape = (nb, bs) if mode == 4 else (nb, KV_N, bs)
+    kw = dict(num_heads=N, num_key_value_heads=KV_N, input_layout="BNSD", scale=0.125, block_size=bs,
+              key_antiquant_mode=mode, value_antiquant_mode=mode, softmax_lse_flag=True)
+    seq = [lens for lens in _lengths_sequence(g, B, mb * bs, 12) if type(lens) is list and len(lens) == B]
+    for step, lens in enumerate(seq):
+        q = randn((B, N, 1, D), g, torch.float16)
+        bt = torch.randperm(nb, generator=g)[:B * mb].reshape(B, mb).to(torch.int32)
+        ks, vs = torch.rand(shape, generator=g) + 0.5, torch.rand(shape, generator=g) + 0.5
+        args = dict(kw, block_table=bt, actual_seq_lengths_kv=lens, key_antiquant_scale=ks, value_antiquant_scale=vs)
+        got = fia.npu_fused_infer_attention_score(q, kc, vc, **args)
+        want = full_path(fia.npu_fused_infer_attention_score, q, kc, vc, **args)
+        assert bits_equal(got[0], want[0]) and bits_equal(got[1], want[1]), (step, lens)
+    assert replay.stats["admitted"] == 1 and replay.stats["replayed"] == len(seq) - 2, replay.stats
 
 
 def test_stale_lengths_replay_is_replaced(monkeypatch):

@@ -8,9 +8,10 @@ key and value and returns exactly what the full path returns (fresh output tenso
 The key (`key_of`) is computed from the call as written: the entry point, query / key / value metadata
 (dtype, shape, strides; plain CPU tensors only), the keyword arguments passed (names, values, their types,
 the signs of floats), the validation mode, the forced backend and torch's thread count. The dequantization
-tensors of int8 / int4 K and V (`_TENSOR_ARGS`, without a lengths list) are keyed by their metadata and passed
-to the replay, which re-derives its factors from each call's tensors (decode: per-tensor, per-channel and
-per-head factors that are views of them; the trial below checks the first). Calls with any other tensor
+tensors of int8 / int4 K and V (`_TENSOR_ARGS`, with or without a lengths list) are keyed by their metadata
+and passed to the replay, which takes its factors from each call's tensors (decode: int8 factors that are
+views of them -- per-tensor, per-channel and per-head ones re-derived, per-token ones read in place at the
+call's addresses; the trial below checks the first). Calls with any other tensor
 argument, or anything else, are never keyed: they always take the full path.
 
 The KV lengths list of a decode loop (`actual_seq_lengths_kv`; the incre entry's `actual_seq_lengths`) changes
@@ -112,8 +113,6 @@ def key_of(name: str, q, k, v, kw: dict) -> Optional[tuple]:
             keyed.append(x)
         vals = tuple(keyed)
         tens = tuple(tens) or None
-        if tens is not None and lens is not None:      # (no replay takes both: not keyed)
-            return None
     signs = tuple(map(math.copysign, _ONES, compress(vals, map(is_, types, _FLOATS))))     # -0.0 vs 0.0
     try:
         return (name, q.dtype, q.shape, q.stride(), k.dtype, k.shape, k.stride(), v.dtype, v.shape, v.stride(),
@@ -138,11 +137,11 @@ def run(key: tuple, q, k, v, kw: dict):
 
 def _replayed(r, key: tuple, q, k, v, kw: dict):
     """Replay r on a call: a lengths replay (key's last item: the lengths argument's name) also takes the
-    call's lengths and block table."""
+    call's lengths and block table; the call's _TENSOR_ARGS tensors go with it (key[-2] names them)."""
     lens = key[-1]
-    if key[-2] is not None:                            # (never with lengths: such calls are not keyed)
+    if lens is None:
         return r(q, k, v, extras=_extras(key, kw))
-    return r(q, k, v) if lens is None else r(q, k, v, kw[lens], kw.get("block_table"))
+    return r(q, k, v, kw[lens], kw.get("block_table"), _extras(key, kw))
 
 
 def _extras(key: tuple, kw: dict) -> tuple:

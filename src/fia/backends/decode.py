@@ -197,15 +197,15 @@ class DecodeBackend(Backend):
         reads more than those three tensors' data (or writes through the shared epilogue's Python).
         lengths: the call's KV lengths list varies between the calls it will serve (right padding: every
         batch's keys from position 0); the launch is then re-planned per lengths (_relength). extras: the
-        call's dequantization tensors (fia.replay._TENSOR_ARGS): int8 K / V with per-tensor, per-channel or
-        per-head factors that are views of them are served (the factors re-derived from each call's)."""
+        call's dequantization tensors (fia.replay._TENSOR_ARGS): int8 K / V whose factors (per tensor, channel,
+        head or token) are views of them are served -- per-token ones read in place at each call's addresses,
+        the others re-derived from each call's."""
         if lengths and (p.mask.kind == "band" or any(g.kv_lo != 0 or g.prefix != 0 for g in p.geometry)):
             return None
         aq = p.antiquant
         views = None
         if aq is not None:
-            if (lengths or aq.int4 or aq.key.per_token or aq.value.per_token
-                    or (views := _views_of(aq, extras)) is None):
+            if aq.int4 or (views := _views_of(aq, extras)) is None:
                 return None
         if ((p.memo_key is None and not lengths) or p.kv.kind not in (("dense", "paged") if lengths else ("dense",))
                 or p.pse is not None
@@ -218,6 +218,11 @@ class DecodeBackend(Backend):
         x = _Inputs(p)
         if x.q is not p.query:                    # (the query is copied first: not a view of the call's)
             return None
+        if aq is not None:                        # per-token factors read in place: parse's tensors, not copies
+            src = x.sources[0]
+            for tok, spec in ((src.ktok, aq.key), (src.vtok, aq.value)):
+                if tok.mode and (tok.scale is not spec.scale or tok.offset is not spec.offset):
+                    return None
         plan = _plan_of(p, x, K)
         if plan.prefix is not None or len(plan.own) != 1 or plan.own[0] is None:
             return None
@@ -725,6 +730,16 @@ class _Replay:
             x.kchan, x.vcs, x.vco = _no_factors()
         self.kchan, self.factors = x.kchan, (x.sink, x.vcs, x.vco)
         self.tbls = (src.tbl, src.ktok.tbl, src.vtok.tbl)
+        # per-token factors (read in place): (buffer slot, index in aq_views) per tensor, each call's address;
+        # factors stored by paged block follow each call's block table
+        self.tok_slots = ()
+        self.tok_follow = (False, False)
+        if aq_views is not None:
+            slots = ((src.ktok, K.BUF_KTS, K.BUF_KTO, 0), (src.vtok, K.BUF_VTS, K.BUF_VTO, 2))
+            self.tok_slots = tuple((slot, j + i) for tok, s0, s1, j in slots if tok.mode
+                                   for i, slot in enumerate((s0, s1)) if aq_views[j + i] is not None)
+            self.bufs[0, [slot for slot, _ in self.tok_slots]] = 0
+            self.tok_follow = tuple(bool(tok.mode) and tok.tbl is src.tbl for tok in (src.ktok, src.vtok))
         from ..finalize import expected_outputs
         self.out_shape, _, lse_shape = expected_outputs(p)      # the epilogue's output = the plan's, contiguous
         self.want_lse, self.lse_shape = p.want_lse, lse_shape
@@ -738,7 +753,7 @@ class _Replay:
         self.lengths = None
         if lengths:                                 # what re-planning reads: metadata only (the tensors dropped)
             self.lengths = {}
-            self.p = p.evolve(query=None, kv=None)
+            self.p = p.evolve(query=None, kv=None, antiquant=None)
             self.tuning = _tuning(K)
 
     def stale(self) -> bool:
@@ -823,6 +838,15 @@ class _Replay:
         bufs = self.bufs.copy()
         s, d = self.slots, self.deltas
         bufs[0, s[0]], bufs[0, s[1]], bufs[0, s[2]] = q.data_ptr() + d[0], k.data_ptr() + d[1], v.data_ptr() + d[2]
+        kt_tbl, vt_tbl = self.tbls[1], self.tbls[2]
+        if self.tok_slots:
+            views = self.aq[1]
+            for slot, j in self.tok_slots:
+                i, _, _, rel = views[j]
+                e = extras[i]
+                bufs[0, slot] = e.data_ptr() + rel * e.element_size()
+            kt_tbl = tbl if self.tok_follow[0] else kt_tbl
+            vt_tbl = tbl if self.tok_follow[1] else vt_tbl
         out = torch.empty(self.out_shape, dtype=plan.out_dtype)
         if self.want_lse:
             lse, lse_addr = _lse_target(self.lse_shape, True)
@@ -830,13 +854,13 @@ class _Replay:
             lse, lse_addr = torch.empty(0, dtype=torch.float32), self.scratch[1]
         if launch.threads == 1:                     # attend + merge in one dispatch
             K.attend_merge(launch.items, launch.ip, plan.fp, plan.geo, launch.work, tbl, bufs, kchan,
-                           self.tbls[1], self.tbls[2], launch.generic, plan.mp, plan.wrange, plan.pwrange,
+                           kt_tbl, vt_tbl, launch.generic, plan.mp, plan.wrange, plan.pwrange,
                            *factors, plan.obase, dims, out.data_ptr(), lse_addr[0])
             return out, lse
         po = _partials(*parts)
         _launch(K.attend_items, launch.items, launch.threads,
-                (launch.ip, plan.fp, plan.geo, launch.work, tbl, bufs, kchan, self.tbls[1],
-                 self.tbls[2], *po, launch.generic))
+                (launch.ip, plan.fp, plan.geo, launch.work, tbl, bufs, kchan, kt_tbl, vt_tbl, *po,
+                 launch.generic))
         _merge(K, plan, factors, out, lse_addr, po, po)
         return out, lse
 
