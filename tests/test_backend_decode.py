@@ -701,15 +701,16 @@ def test_decode_masks(shape, mdt):
 @pytest.mark.parametrize("sparse,pre,nxt", [(0, 3, 1), (0, 100, -2), (1, None, None), (2, None, None),
                                             (3, None, None), (4, 5, 2)])
 @pytest.mark.parametrize("ip", [0, 2])
-def test_multi_token_masks(sparse, pre, nxt, ip, small_splits):
+@pytest.mark.parametrize("layout", ["BNSD", "BSH"])
+def test_multi_token_masks(sparse, pre, nxt, ip, layout, small_splits):
     """Q_S in 2..16: band geometry (window-local), user masks (physical), dead rows and row-invalid
-    correction (inner_precise bit 1), query lengths."""
-    g = gen("mt", sparse, pre, nxt, ip)
+    correction (inner_precise bit 1), query lengths; BSH: items of both KV heads (decode_kernels.IP_HB)."""
+    g = gen("mt", sparse, pre, nxt, ip) if layout == "BNSD" else gen("mt", sparse, pre, nxt, ip, layout)
     b, n, kvn, sq, s, d = 3, 4, 2, 7, 50, 64
     act_q, lens = [7, 3, 5], [50, 20, 4]
     q = randn((b, n, sq, d), g, BF16)
     k, v = poison_kv(randn((b, kvn, s, d), g, BF16), lens), poison_kv(randn((b, kvn, s, d), g, BF16), lens)
-    kw = dict(num_heads=n, num_key_value_heads=kvn, input_layout="BNSD", scale=0.125, softmax_lse_flag=True,
+    kw = dict(num_heads=n, num_key_value_heads=kvn, input_layout=layout, scale=0.125, softmax_lse_flag=True,
               actual_seq_lengths=act_q, actual_seq_lengths_kv=lens, sparse_mode=sparse, inner_precise=ip)
     if sparse in (0, 1):
         m = torch.rand(b, sq, s, generator=g) < 0.3
@@ -719,7 +720,7 @@ def test_multi_token_masks(sparse, pre, nxt, ip, small_splits):
         kw["atten_mask"] = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)
     if pre is not None:
         kw.update(pre_tokens=pre, next_tokens=nxt)
-    compare((q, k, v), kw)
+    compare((to_layout(q, layout), to_layout(k, layout), to_layout(v, layout)), kw)
 
 
 @pytest.mark.parametrize("pdt", [F16, BF16])
@@ -806,16 +807,18 @@ def test_shared_prefix(plen, b, G, extra, layout, small_splits):
     compare((to_layout(q, layout), to_layout(k, layout), to_layout(v, layout)), kw)
 
 
-def test_tensor_list(small_splits):
-    g = gen("list")
+@pytest.mark.parametrize("layout", ["BNSD", "BSH"])
+def test_tensor_list(layout, small_splits):
+    """One K / V tensor per batch; BSH: items of both KV heads (decode_kernels.IP_HB) in each source."""
+    g = gen("list") if layout == "BNSD" else gen("list", layout)
     b, n, kvn, d = 3, 8, 2, 32
     lens = [17, 40, 3]
     q = randn((b, n, 1, d), g, BF16)
-    ks = [randn((1, kvn, l, d), g, BF16) for l in lens]
-    vs = [randn((1, kvn, l, d), g, BF16) for l in lens]
-    kw = dict(num_heads=n, num_key_value_heads=kvn, input_layout="BNSD", scale=0.17, softmax_lse_flag=True,
+    ks = [to_layout(randn((1, kvn, l, d), g, BF16), layout) for l in lens]
+    vs = [to_layout(randn((1, kvn, l, d), g, BF16), layout) for l in lens]
+    kw = dict(num_heads=n, num_key_value_heads=kvn, input_layout=layout, scale=0.17, softmax_lse_flag=True,
               actual_seq_lengths_kv=[17, 33, 0])
-    compare((q, ks, vs), kw)
+    compare((to_layout(q, layout), ks, vs), kw)
 
 
 @pytest.mark.parametrize("paged_kv", [False, True])
