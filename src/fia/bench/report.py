@@ -104,9 +104,10 @@ NOTES = """\
 - SDPA = torch.nn.functional.scaled_dot_product_attention on the same problem, everything inside the timed
   call: enable_gqa=True; paged KV gathered to a dense tensor first; int8 KV dequantized first; causal via
   is_causal; band as a bool mask; pse_shift as the float additive mask.
-- x dense (paged and int8 decode cases): FIA on the same problem with a dense K / V cache of the case's dtype
-  (its "dense twin", checked like a case), timed in the same blocks: FIA / twin / SDPA / twin / FIA, so the
-  ratio (twin ms / case ms: > 1 = faster than dense) is not the host's drift between two cases.
+- x dense (paged, int8 and token-major "-bsnd" / "-bsh" decode cases): FIA on the same problem with a dense BNSD
+  K / V cache of the case's dtype (its "dense twin", checked like a case), timed in the same blocks: FIA / twin /
+  SDPA / twin / FIA, so the ratio (twin ms / case ms: > 1 = faster than dense) is not the host's drift between
+  two cases.
 - Check: FIA's automatic backend against the reference backend — on the whole case when the reference is
   cheap enough, otherwise on KV head 0 and its query heads (head groups are independent); SDPA in float32
   on that slice when the reference cannot run the case. Error = max|out − ref| / max|ref|. A wrong output
