@@ -550,8 +550,8 @@ def _geometry(p: AttentionProblem, P: int, q_sb: int, qr_sb: int):
 
 def _heads_per_item(sources, H: int) -> int:
     """KV heads per item (decode_kernels.IP_HB): all H when every source's key and value hold a token's rows
-    of all heads side by side (BSH / BSND, the paged [blocks, block_size, H] cache; a key of the tokens'
-    rows read head by head comes 256 bytes every H x 256: decode_kernels.DP_TOUCH), else 1."""
+    of all heads side by side (BSH / BSND, the paged [blocks, block_size, H] cache: one head's rows alone are
+    D elements every H x D or more, which the CPU does not stream -- decode_kernels.DP_TOUCH), else 1."""
     if H < 2:
         return 1
     for src in sources:
