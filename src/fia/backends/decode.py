@@ -333,17 +333,44 @@ def _factor_meta(p: AttentionProblem) -> tuple:
 
 def _factor_arrays(meta: tuple, tensors: tuple) -> tuple:
     """_dequant_factors' arrays from meta (_factor_meta) and the (key scale, key offset, value scale, value
-    offset) tensors -- p's own, or a replayed call's views of its tensors."""
+    offset) tensors."""
+    return _fill_factors(meta, _factor_specs(meta, tensors))
+
+
+_GRANS = {"tensor": 0, "channel": 1, "head": 2}     # decode_kernels.GRAN_*
+
+
+def _factor_specs(meta: tuple, tensors: tuple) -> np.ndarray:
+    """decode_kernels.fill_factors' specs [4, FS_LEN] of the (key scale, key offset, value scale, value offset)
+    tensors that are applied outside the loop (_chan_modes; the others absent: address 0). Each tensor holds
+    1, H x D or H values (its granularity) in its logical order: anything else is a parse bug, raised here
+    (the kernel writes that many values)."""
+    K = _K
     kg, vg, kmode, vmode, H, D, Dv = meta
-    ks, ko, vs, vo = tensors
+    specs = np.zeros((4, K.FS_LEN), np.int64)
+    for f, t in enumerate(tensors):
+        mode, gran, d = (kmode, kg, D) if f < 2 else (vmode, vg, Dv)
+        if t is None or mode == 0 or (f % 2 == 1 and mode != 2):
+            continue
+        if t.dim() > 4 or t.numel() != {"tensor": 1, "channel": H * d, "head": H}[gran]:
+            raise AssertionError(f"dequant factor of shape {tuple(t.shape)} for granularity {gran}")
+        pad = 4 - t.dim()
+        specs[f] = (t.data_ptr(), _KINDS[t.dtype], _GRANS[gran], *((1,) * pad + tuple(t.shape)),
+                    *((0,) * pad + tuple(t.stride())))
+    return specs
+
+
+def _fill_factors(meta: tuple, specs: np.ndarray) -> tuple:
+    """_dequant_factors' arrays, filled from the factor tensors in place (decode_kernels.fill_factors)."""
+    _, _, kmode, vmode, H, D, Dv = meta
     kchan, vcs, vco = _no_factors()
     if kmode:
-        f = [ks] + ([ko] if kmode == 2 else [])
-        kchan = torch.stack([_chan(t, kg, H, D) for t in f]).contiguous().numpy()
+        kchan = np.empty((kmode, H, D), np.float32)
     if vmode:
-        vcs = _chan(vs, vg, H, Dv).contiguous().numpy()
+        vcs = np.empty((H, Dv), np.float32)
         if vmode == 2:
-            vco = _chan(vo, vg, H, Dv).contiguous().numpy()
+            vco = np.empty((H, Dv), np.float32)
+    _K.fill_factors(specs, kchan, vcs, vco)
     return kchan, vcs, vco
 
 
@@ -727,6 +754,10 @@ class _Replay:
         self.aq = None
         if aq_views is not None:                # (the factors' metadata; their tensors: each call's views)
             self.aq = (_factor_meta(p), aq_views)
+            aq = p.antiquant                    # (specs of the admitting call; no address of it survives)
+            self.fspecs = _factor_specs(self.aq[0], (aq.key.scale, aq.key.offset, aq.value.scale, aq.value.offset))
+            self.fslots = tuple(f for f in range(4) if self.fspecs[f, 0] != 0)
+            self.fspecs[:, 0] = 0
             x.kchan, x.vcs, x.vco = _no_factors()
         self.kchan, self.factors = x.kchan, (x.sink, x.vcs, x.vco)
         self.tbls = (src.tbl, src.ktok.tbl, src.vtok.tbl)
@@ -803,19 +834,17 @@ class _Replay:
         return got
 
     def _factors(self, extras: tuple) -> tuple:
-        """(kchan, (sink, vcs, vco)) of a call: the dequant factors from its own tensors (self.aq)."""
+        """(kchan, (sink, vcs, vco)) of a call: the dequant factors from its own tensors (self.aq): the admitting
+        call's specs (shapes, strides, kinds: the key's metadata) at the addresses of this call's views."""
         if self.aq is None:
             return self.kchan, self.factors
         meta, views = self.aq
-        fs = []
-        for spec in views:
-            if spec is None:
-                fs.append(None)
-                continue
-            i, size, stride, rel = spec
+        specs = self.fspecs.copy()
+        for f in self.fslots:
+            i, _, _, rel = views[f]
             e = extras[i]
-            fs.append(e.as_strided(size, stride, e.storage_offset() + rel))
-        kchan, vcs, vco = _factor_arrays(meta, fs)
+            specs[f, 0] = e.data_ptr() + rel * e.element_size()
+        kchan, vcs, vco = _fill_factors(meta, specs)
         return kchan, (self.factors[0], vcs, vco)
 
     def __call__(self, q, k, v, lens=None, table=None, extras=()):
@@ -879,18 +908,6 @@ def _attend(K, plan: _Plan, launch: _Launch, src: "_Source", qbufs: np.ndarray, 
     _launch(K.attend_items, launch.items, launch.threads,
             (launch.ip, plan.fp, plan.geo, launch.work, src.tbl, bufs, kchan, src.ktok.tbl, src.vtok.tbl,
              po[w0:w1], pm[w0:w1], pl[w0:w1], pany[w0:w1], launch.generic))
-
-
-def _chan(t: torch.Tensor, gran: str, H: int, D: int) -> torch.Tensor:
-    """A tensor / channel / head dequant factor as float32 [H, D]."""
-    t = t.to(torch.float32)
-    if gran == "tensor":
-        return t.reshape(1, 1).expand(H, D)
-    if gran == "channel":
-        return t.reshape(H, D)
-    if gran == "head":
-        return t.reshape(H, 1).expand(H, D)
-    raise AssertionError(gran)
 
 
 def _chunk(dq: int, dv: int, rows: int) -> int:

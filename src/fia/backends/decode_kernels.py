@@ -715,6 +715,61 @@ def touch_rows(buf, offs, n, es, span):
     return x
 
 
+# factor specs (fill_factors): one row per factor tensor, FS_* columns
+FS_ADDR, FS_KIND, FS_GRAN, FS_SHAPE, FS_STRIDE, FS_LEN = 0, 1, 2, 3, 7, 11
+GRAN_TENSOR, GRAN_CHANNEL, GRAN_HEAD = 0, 1, 2
+
+
+@njit(cache=True)
+def fill_factors(specs, kchan, vcs, vco):
+    """The dequant factors applied outside the loop as float32 from the factor tensors in place: rows of specs
+    [4, FS_LEN] (key scale, key offset, value scale, value offset; address 0: absent) give each tensor's
+    address, element kind, granularity (GRAN_*: one value for all, H x D values, one per head), and shape /
+    element strides padded to 4 dims (shape 1). Key scale / offset go to kchan[0] / kchan[1] [H, D], value
+    scale / offset to vcs / vco [H, Dv]; the values in the tensor's logical order (as torch's reshape)."""
+    for f in range(4):
+        addr = specs[f, FS_ADDR]
+        if addr == 0:
+            continue
+        out = kchan[min(f, 1)] if f < 2 else (vcs if f == 2 else vco)
+        flat = out.reshape(-1)                             # [H * D] (contiguous)
+        H, Dd = out.shape
+        kind = specs[f, FS_KIND]
+        gran = specs[f, FS_GRAN]
+        last = 0
+        for d in range(4):
+            last += (specs[f, FS_SHAPE + d] - 1) * specs[f, FS_STRIDE + d]
+        es = 4 if kind == KIND_F32 else 2
+        buf = carray(_addr_ptr(addr), ((last + 1) * es,), np.uint8)
+        b16 = buf.view(np.uint16) if es == 2 else buf[:0].view(np.uint16)
+        b32 = buf.view(np.float32) if es == 4 else buf[:0].view(np.float32)
+        n0, n1, n2, n3 = specs[f, FS_SHAPE], specs[f, FS_SHAPE + 1], specs[f, FS_SHAPE + 2], specs[f, FS_SHAPE + 3]
+        s0, s1, s2 = specs[f, FS_STRIDE], specs[f, FS_STRIDE + 1], specs[f, FS_STRIDE + 2]
+        s3 = specs[f, FS_STRIDE + 3]
+        i = 0
+        for a in range(n0):
+            for b in range(n1):
+                for c in range(n2):
+                    o = a * s0 + b * s1 + c * s2
+                    for e in range(n3):
+                        if kind == KIND_F32:
+                            x = b32[o]
+                        elif kind == KIND_BF16:
+                            x = bf16_to_f32(b16[o])
+                        else:
+                            x = fp16_to_f32(b16[o])
+                        o += s3
+                        if gran == GRAN_CHANNEL:
+                            flat[i] = x
+                        elif gran == GRAN_HEAD:
+                            for j in range(Dd):
+                                out[i, j] = x
+                        else:
+                            for j in range(H * Dd):
+                                flat[j] = x
+                        i += 1
+
+
 @njit(fastmath=FM, cache=True)
 def token_scales(tbl, i, h, c0, n, tb, s_blk, s_h, s_s, mode, sc, off, dst_s, dst_o):
     """Per-token dequant factors of the chunk's keys [c0, c0 + n) of query group i, KV head h: scale into
