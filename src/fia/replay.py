@@ -54,7 +54,7 @@ _KV_LENGTHS = {"npu_fused_infer_attention_score": "actual_seq_lengths_kv",
 _SEQS = (list, tuple)
 _PADDING = ("query_padding_size", "kv_padding_size")
 # tensor arguments a replay takes from each call (keyed by their metadata; the backend decides whether it serves
-# the call: decode, per-tensor / channel / head dequantization factors that are views of these tensors)
+# the call: decode, int8 dequantization factors -- per tensor / channel / head / token -- that are views of them)
 _TENSOR_ARGS = frozenset({"antiquant_scale", "antiquant_offset", "key_antiquant_scale", "key_antiquant_offset",
                           "value_antiquant_scale", "value_antiquant_offset"})
 _SEEN: set = set()              # lengths-replay keys seen once (admitted the second time)

@@ -386,8 +386,9 @@ def _span(t: torch.Tensor) -> tuple:
 
 def _views_of(aq, extras: tuple) -> Optional[tuple]:
     """For each of aq's factor tensors (key scale / offset, value scale / offset; None where absent): (index of
-    the call's tensor in extras it is a view of, its size, stride, storage offset from that tensor's), or None
-    when one is not such a view (parse made it: it would not follow a later call's tensor)."""
+    the call's tensor in extras it is a view of, its storage offset from that tensor's), or None when one is not
+    such a view (parse made it: it would not follow a later call's tensor). Its shape and strides are the
+    key's metadata: the same in every call the replay serves."""
     specs = []
     for f in (aq.key.scale, aq.key.offset, aq.value.scale, aq.value.offset):
         if f is None:
@@ -399,11 +400,18 @@ def _views_of(aq, extras: tuple) -> Optional[tuple]:
         for i, e in enumerate(extras):
             if (e.dtype == f.dtype and e.untyped_storage().data_ptr() == f.untyped_storage().data_ptr()
                     and _span(e)[0] <= lo and hi <= _span(e)[1]):
-                specs.append((i, tuple(f.shape), f.stride(), f.storage_offset() - e.storage_offset()))
+                specs.append((i, f.storage_offset() - e.storage_offset()))
                 break
         else:
             return None
     return tuple(specs)
+
+
+def _view_address(spec: tuple, extras: tuple) -> int:
+    """The address of a factor tensor in a replayed call: its _views_of spec applied to the call's tensors."""
+    i, rel = spec
+    e = extras[i]
+    return e.data_ptr() + rel * e.element_size()
 
 
 def _prefix_groups(p: AttentionProblem):
@@ -752,6 +760,8 @@ class _Replay:
         # _Inputs' dummies only (no sink here; dequant factors: made per call from its tensors, see _factors):
         # no tensor of the admitting call is kept
         self.aq = None
+        self.tok_slots = ()
+        self.tok_follow = (False, False)
         if aq_views is not None:                # (the factors' metadata; their tensors: each call's views)
             self.aq = (_factor_meta(p), aq_views)
             aq = p.antiquant                    # (specs of the admitting call; no address of it survives)
@@ -759,18 +769,15 @@ class _Replay:
             self.fslots = tuple(f for f in range(4) if self.fspecs[f, 0] != 0)
             self.fspecs[:, 0] = 0
             x.kchan, x.vcs, x.vco = _no_factors()
-        self.kchan, self.factors = x.kchan, (x.sink, x.vcs, x.vco)
-        self.tbls = (src.tbl, src.ktok.tbl, src.vtok.tbl)
-        # per-token factors (read in place): (buffer slot, index in aq_views) per tensor, each call's address;
-        # factors stored by paged block follow each call's block table
-        self.tok_slots = ()
-        self.tok_follow = (False, False)
-        if aq_views is not None:
+            # per-token factors (read in place): (buffer slot, index in aq_views) per tensor, each call's address;
+            # factors stored by paged block follow each call's block table
             slots = ((src.ktok, K.BUF_KTS, K.BUF_KTO, 0), (src.vtok, K.BUF_VTS, K.BUF_VTO, 2))
             self.tok_slots = tuple((slot, j + i) for tok, s0, s1, j in slots if tok.mode
                                    for i, slot in enumerate((s0, s1)) if aq_views[j + i] is not None)
             self.bufs[0, [slot for slot, _ in self.tok_slots]] = 0
             self.tok_follow = tuple(bool(tok.mode) and tok.tbl is src.tbl for tok in (src.ktok, src.vtok))
+        self.kchan, self.factors = x.kchan, (x.sink, x.vcs, x.vco)
+        self.tbls = (src.tbl, src.ktok.tbl, src.vtok.tbl)
         from ..finalize import expected_outputs
         self.out_shape, _, lse_shape = expected_outputs(p)      # the epilogue's output = the plan's, contiguous
         self.want_lse, self.lse_shape = p.want_lse, lse_shape
@@ -841,9 +848,7 @@ class _Replay:
         meta, views = self.aq
         specs = self.fspecs.copy()
         for f in self.fslots:
-            i, _, _, rel = views[f]
-            e = extras[i]
-            specs[f, 0] = e.data_ptr() + rel * e.element_size()
+            specs[f, 0] = _view_address(views[f], extras)
         kchan, vcs, vco = _fill_factors(meta, specs)
         return kchan, (self.factors[0], vcs, vco)
 
@@ -871,9 +876,7 @@ class _Replay:
         if self.tok_slots:
             views = self.aq[1]
             for slot, j in self.tok_slots:
-                i, _, _, rel = views[j]
-                e = extras[i]
-                bufs[0, slot] = e.data_ptr() + rel * e.element_size()
+                bufs[0, slot] = _view_address(views[j], extras)
             kt_tbl = tbl if self.tok_follow[0] else kt_tbl
             vt_tbl = tbl if self.tok_follow[1] else vt_tbl
         out = torch.empty(self.out_shape, dtype=plan.out_dtype)
