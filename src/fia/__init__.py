@@ -6,7 +6,7 @@ from .api import (npu_attention_update, npu_fused_infer_attention_score, npu_fus
                   npu_incre_flash_attention, npu_prompt_flash_attention)
 from .config import (get_backend, get_validation_mode, set_backend, set_validation_mode, use_backend,
                      validation_mode)
-from .errors import FiaError, FiaInputError, FiaRuntimeError, FiaUnsupportedError
+from .errors import FiaError, FiaInputError, FiaMemoryError, FiaRuntimeError, FiaUnsupportedError
 # graph mode (issues 5, 9): the same functions (and their .out variants), recorded as torch.ops.fia nodes
 # while torch.compile traces
 from .ops import (_npu_fused_infer_attention_score_get_max_workspace,  # noqa: E402,F811
@@ -22,7 +22,7 @@ __all__ = [
     "npu_fused_infer_attention_score", "npu_incre_flash_attention", "npu_prompt_flash_attention",
     "npu_fused_infer_attention_score_v2", "npu_attention_update",
     "_npu_fused_infer_attention_score_get_max_workspace", "_npu_fused_infer_attention_score_v2_get_max_workspace",
-    "FiaError", "FiaInputError", "FiaUnsupportedError", "FiaRuntimeError",
+    "FiaError", "FiaInputError", "FiaUnsupportedError", "FiaRuntimeError", "FiaMemoryError",
     "get_validation_mode", "set_validation_mode", "validation_mode",
     "get_backend", "set_backend", "use_backend",
     "explain", "DispatchReport", "aclnn", "ops",

@@ -34,14 +34,18 @@ Rendering rules
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, Tuple
 
 import torch
 
 from . import parse
 from .backends import registry
+from .backends.base import run_inference
+from .config import is_strict
 from .errors import ACLNN_ERR_PARAM_NULLPTR, ACLNN_SUCCESS, FiaError, FiaInputError, FiaRuntimeError, input_error
 from .finalize import check_outputs, write_outputs
+from .parse.context import Ctx
 from .parse.entries import FUSED_DEFAULTS
 
 __all__ = [
@@ -196,8 +200,14 @@ def _execute(op: str, workspace, workspace_size, executor, stream) -> int:
                           repr(workspace_size))
     executor.consumed = True
     p = executor.problem
+    if p.kv.kind == "paged":                  # phase 2 reads the table as it is now, checked again
+        back = {v: k for k, v in _OPS[op]}
+        try:
+            p = dataclasses.replace(p, kv=parse.reread_table(Ctx(op, is_strict(), back), p.kv))
+        except FiaError as e:
+            raise _rename(e, back)
     try:
-        write_outputs(p, executor.backend.run(p), executor.attentionOut, executor.softmaxLse)
+        write_outputs(p, run_inference(executor.backend, p), executor.attentionOut, executor.softmaxLse)
     except FiaError:
         raise
     except Exception as e:   # the computation itself failed (ACLNN_ERR_RUNTIME_ERROR)

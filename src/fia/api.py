@@ -8,6 +8,7 @@ import torch
 
 from . import parse, replay
 from .backends import registry
+from .backends.base import run_inference
 from .finalize import finalize
 from .outvariants import out_variant, workspace_query
 
@@ -21,7 +22,7 @@ _INT_MAX = 2147483647
 
 def _run(problem):
     backend = registry.select(problem)
-    result = backend.run(problem)
+    result = run_inference(backend, problem)
     replay.note(problem, backend)          # (for fia.replay: what ran a call that may replay later)
     return finalize(problem, result)
 

@@ -37,13 +37,12 @@ def get_validation_mode() -> str:
 
 
 def set_validation_mode(mode: str) -> None:
-    """Set the validation mode of the current thread ("strict" or "portable")."""
-    global _default
+    """Set the validation mode of the current thread ("strict" or "portable"). Other threads keep theirs; the
+    process default (for threads that never set one) is FIA_VALIDATION, read at import."""
     if mode not in _MODES:
         from .errors import input_error
         raise input_error("mode", f"one of {_MODES}", repr(mode))
     _state.mode = mode
-    _default = mode
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ ACLNN_ERR_RUNTIME_ERROR = 361001
 __all__ = [
     "ACLNN_SUCCESS", "ACLNN_ERR_PARAM_NULLPTR", "ACLNN_ERR_PARAM_INVALID", "ACLNN_ERR_RUNTIME_ERROR",
     "FiaError", "FiaInputError", "FiaUnsupportedError", "FiaBackendUnavailable", "FiaRuntimeError",
+    "FiaMemoryError",
 ]
 
 
@@ -59,6 +60,15 @@ class FiaRuntimeError(FiaError, RuntimeError):
     """The computation failed after validation (status 361001)."""
 
     status = ACLNN_ERR_RUNTIME_ERROR
+
+
+class FiaMemoryError(FiaRuntimeError, MemoryError):
+    """A call would need more memory than the machine has available; raised before anything is allocated.
+    `tensor` names what would not fit, `need` / `available` are bytes."""
+
+    def __init__(self, message: str, *, tensor: str, need: int, available: int):
+        super().__init__(message)
+        self.tensor, self.need, self.available = tensor, need, available
 
 
 def input_error(argument: str | None, expected: str, received: object, hint: str | None = None,

@@ -23,6 +23,7 @@ from typing import Callable, Tuple
 import torch
 
 from .backends import registry
+from .backends.base import run_inference
 from .errors import ACLNN_ERR_PARAM_INVALID, ACLNN_ERR_PARAM_NULLPTR, input_error
 from .finalize import check_outputs, write_outputs
 
@@ -96,7 +97,7 @@ def out_variant(fn: Callable, problem_of: Callable[[dict], object], lse_flag: st
         problem = problem_of(bind(query, key, value, kwargs))
         check_outputs(problem, attention_out, softmax_lse, names, f" ({lse_flag} is true)")
         backend = registry.select(problem)
-        write_outputs(problem, backend.run(problem), attention_out, softmax_lse)
+        write_outputs(problem, run_inference(backend, problem), attention_out, softmax_lse)
         return attention_out, softmax_lse
 
     kw = inspect.Parameter.KEYWORD_ONLY

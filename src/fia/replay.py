@@ -77,7 +77,8 @@ def key_of(name: str, q, k, v, kw: dict) -> Optional[tuple]:
     """The call's replay key, or None when the call is not covered (see the module docstring)."""
     if type(q) is not _Tensor or type(k) is not _Tensor or type(v) is not _Tensor:
         return None
-    if not (q.is_cpu and k.is_cpu and v.is_cpu) or q.layout != torch.strided:
+    if not (q.is_cpu and k.is_cpu and v.is_cpu) or q.layout != torch.strided or q.is_neg() or k.is_neg() \
+            or v.is_neg():                             # (a lazily negated view: parse resolves it)
         return None
     vals = tuple(kw.values())
     types = tuple(map(type, vals))                     # (True is not 1, 1 is not 1.0)
@@ -104,7 +105,7 @@ def key_of(name: str, q, k, v, kw: dict) -> Optional[tuple]:
                     return None
                 x = (x.dtype, x.shape, x.stride())
             elif type(x) is _Tensor and n in _TENSOR_ARGS:     # its metadata; the tensor goes to the replay
-                if not x.is_cpu or x.layout != torch.strided or x.requires_grad:
+                if not x.is_cpu or x.layout != torch.strided or x.requires_grad or x.is_neg():
                     return None
                 tens.append(n)
                 x = (x.dtype, x.shape, x.stride())

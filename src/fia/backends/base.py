@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+import math
+from typing import List, Optional, Tuple
 
 import torch
 
+from ..errors import FiaMemoryError
 from ..spec.problem import AttentionProblem
 
 
@@ -41,5 +43,46 @@ class Backend:
         more to say than its name. Only called for a problem it supports."""
         return None
 
+    def memory_need(self, p: AttentionProblem) -> List[Tuple[str, int]]:
+        """(what, bytes) of the largest buffers running p allocates at once: by default the canonical output in
+        float32 and the returned one (finalize converts it). A backend with larger working buffers adds them."""
+        out = math.prod(p.out_shape()) * 4
+        return [(f"attention_out {list(p.out_shape())} float32", out), ("the returned attention_out", out)]
+
     def run(self, p: AttentionProblem) -> BackendResult:  # pragma: no cover - interface
         raise NotImplementedError
+
+
+_CHECK_FROM = 1 << 30         # calls needing less than this never read the machine's free memory
+
+
+def run_inference(backend: Backend, p: AttentionProblem) -> BackendResult:
+    """backend.run(p) with no autograd history on any backend, whatever the inputs carry: these are inference
+    ops (torch_npu's have no backward), so every backend returns results that do not require grad. A call whose
+    buffers would not fit in the CPU's available memory fails first, naming the largest one (torch's allocator
+    would fail only after seconds of paging, or the kernel would be killed)."""
+    if p.device.type == "cpu":
+        need = backend.memory_need(p)
+        total = sum(b for _, b in need)
+        if total >= _CHECK_FROM:
+            avail = available_memory()
+            if avail is not None and total > avail:
+                what, big = max(need, key=lambda x: x[1])
+                raise FiaMemoryError(
+                    f"{backend.name} backend: this call needs {total / 2**30:.1f} GiB of working memory, more than "
+                    f"the {avail / 2**30:.1f} GiB available; the largest part is {what}: {big / 2**30:.1f} GiB",
+                    tensor=what, need=total, available=avail)
+    with torch.no_grad():
+        return backend.run(p)
+
+
+def available_memory() -> Optional[int]:
+    """Bytes of memory the machine can still give (Linux MemAvailable), or None where that is unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

@@ -290,7 +290,7 @@ class _Inputs:
             um = (um != 0).to(torch.uint8)          # legacy float16 masks: nonzero = masked
         self.mask = um
         self.kchan, self.vcs, self.vco = _dequant_factors(p)
-        self.sink = _dummy(np.float32) if p.sink is None else p.sink.to(torch.float32).contiguous().numpy()
+        self.sink = _dummy(np.float32) if p.sink is None else p.sink.detach().to(torch.float32).contiguous().numpy()
         self.sources = list(_sources(p))
         self.prefix = None if p.prefix is None else _Source(      # (per-token dequant never comes with a prefix)
             p, p.prefix.key, p.prefix.value, None, np.zeros((_prefix_groups(p)[1], 1), np.int64), _BIG, None, 0, 1,

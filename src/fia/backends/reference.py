@@ -152,6 +152,13 @@ class ReferenceBackend(Backend):
     def not_supported_reasons(self, p: AttentionProblem) -> List[str]:
         return super().not_supported_reasons(p)
 
+    def memory_need(self, p: AttentionProblem):
+        """+ one batch's [N, S1, S2] scores, alive about three times over (scores, exponentials, probabilities)."""
+        es = torch.finfo(p.compute_dtype).bits // 8
+        s1, s2 = max(((g.s1, g.s2) for g in p.geometry), key=lambda x: x[0] * x[1], default=(0, 0))
+        return super().memory_need(p) + [(f"the reference's [N, S1, S2] = [{p.N}, {s1}, {s2}] scores of one batch",
+                                          3 * p.N * s1 * s2 * es)]
+
     def run(self, p: AttentionProblem) -> BackendResult:
         cd = p.compute_dtype
         dev = p.device

@@ -1,5 +1,6 @@
 """The only code that knows Ascend argument names and quirks: raw arguments -> AttentionProblem."""
 from .core import parse_fused
 from .entries import parse_incre, parse_prompt, parse_v2
+from .paged import reread_table
 
-__all__ = ["parse_fused", "parse_incre", "parse_prompt", "parse_v2"]
+__all__ = ["parse_fused", "parse_incre", "parse_prompt", "parse_v2", "reread_table"]

@@ -105,6 +105,12 @@ class Ctx:
         return int(x)
 
     def number(self, name: str, x) -> float:
+        try:
+            return self._number(name, x)
+        except OverflowError:            # a Python int beyond float64 (10**400): not torch's bare OverflowError
+            raise self.err(name, "a number within the float64 range (|x| < 1.8e308)", describe(x)) from None
+
+    def _number(self, name: str, x) -> float:
         if isinstance(x, bool) or not isinstance(x, (int, float)):
             try:
                 import numpy as np

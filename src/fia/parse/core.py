@@ -38,6 +38,7 @@ def parse_fused(a: dict, api: str = "npu_fused_infer_attention_score", aliases: 
 
 def _parse(a: dict, api: str, aliases: Optional[dict], decode_only: bool) -> AttentionProblem:
     ctx = Ctx(api, is_strict(), dict(aliases or {}))
+    a = _resolve_neg(a)
     query = ctx.tensor("query", a["query"], optional=False)
     key = T.kv_arg(ctx, "key", a["key"])
     value = T.kv_arg(ctx, "value", a["value"])
@@ -233,6 +234,21 @@ _OPTIONAL_TENSORS = (
     "antiquant_scale", "antiquant_offset", "key_antiquant_scale", "key_antiquant_offset", "value_antiquant_scale",
     "value_antiquant_offset", "block_table", "key_shared_prefix", "value_shared_prefix", "query_rope", "key_rope",
     "key_rope_antiquant_scale", "dequant_scale_query", "learnable_sink")
+
+
+def _resolve_neg(a: dict) -> dict:
+    """Tensors with the lazy negation bit (torch's `_neg_view`, the imaginary part of a conjugate) as the
+    values they stand for: kernels read memory, which holds the un-negated values."""
+    neg = [n for n, x in a.items() if (isinstance(x, torch.Tensor) and x.is_neg()) or
+           (isinstance(x, (list, tuple)) and any(isinstance(t, torch.Tensor) and t.is_neg() for t in x))]
+    if not neg:
+        return a
+    a = dict(a)
+    for n in neg:
+        x = a[n]
+        a[n] = x.resolve_neg() if isinstance(x, torch.Tensor) else type(x)(
+            t.resolve_neg() if isinstance(t, torch.Tensor) else t for t in x)
+    return a
 
 
 def _optional_tensors(ctx: Ctx, a: dict) -> None:

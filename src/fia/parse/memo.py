@@ -63,8 +63,8 @@ _calls = 0
 
 def _meta(t: torch.Tensor):
     """What parse (and a backend's plan) can see of a tensor without its data; None: not covered."""
-    if type(t) is not _Tensor or not t.is_cpu or t.layout != torch.strided:
-        return None
+    if type(t) is not _Tensor or not t.is_cpu or t.layout != torch.strided or t.is_neg():
+        return None                                   # (a lazily negated view: parse resolves it)
     return t.dtype, t.shape, t.stride()
 
 

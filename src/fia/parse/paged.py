@@ -1,6 +1,7 @@
 """Paged KV cache: block_table + block_size (SPEC 8)."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional, Tuple
 
 import numpy as np
@@ -35,6 +36,22 @@ def bad_block(host: np.ndarray, blocks_used: np.ndarray, nb: int) -> Optional[Tu
 
 def table_host(host: np.ndarray) -> Tuple[Tuple[int, ...], ...]:
     return tuple(tuple(r) for r in host.tolist())
+
+
+def reread_table(ctx: Ctx, kv: PagedKV) -> PagedKV:
+    """kv with its block table read again from the tensor (a deferred execution reads the table as it is then,
+    as the NPU reads device memory when the kernel runs), range-checked again: every backend then uses that
+    one snapshot, and an id rewritten out of range is an error instead of a wild read."""
+    host = kv.block_table.to("cpu", copy=True).numpy()                            # [B, MB] int32 / int64
+    nb = kv.key.shape[0]
+    bad = bad_block(host, np.asarray(kv.blocks_used, dtype=np.int64), nb)
+    if bad is not None:
+        i, j = bad
+        raise ctx.err("block_table", f"block ids in [0, {nb}) for every used entry (blocknum = {nb}) when the "
+                      "call executes", f"{int(host[i, j])} at [{i}, {j}] (the table changed after it was checked)",
+                      "FIA range-checks block ids instead of reading out of bounds")
+    # the checked copy is the table of this execution (a rewrite while the kernels run cannot reach them)
+    return replace(kv, block_table=torch.from_numpy(host).to(kv.block_table.device), table_host=table_host(host))
 
 
 def _cache(ctx: Ctx, name: str, t: torch.Tensor, layout: Layout, kv_n: int, dim: Optional[int]):
