@@ -61,7 +61,7 @@ def test_aclnn_table_rewritten_between_phases_counts(backend):
 
 
 @pytest.mark.parametrize("backend", ["reference", "decode"])
-@pytest.mark.parametrize("bad", [7, -5, 100000, INT_MAX])
+@pytest.mark.parametrize("bad", [6, 7, -5])              # (a far id: the child-process test below)
 def test_aclnn_table_rewritten_out_of_range_is_an_error(backend, bad):
     q, kc, vc, table = _paged(12)
     out = torch.full((2, 1, N * D), float("nan"), dtype=q.dtype)
@@ -84,7 +84,7 @@ def test_aclnn_wild_table_id_never_crashes_the_process():
         "out = torch.zeros((2, 1, t.N * t.D), dtype=q.dtype)\n"
         "with fia.use_backend('decode'):\n"
         "    ws, ex = t._v4_plan(q, kc, vc, table, out)\n"
-        "    table[0, 0] = 100000\n"
+        "    table[0, 0] = 2147483647\n"
         "    try:\n"
         "        aclnn.aclnnFusedInferAttentionScoreV4(None, ws, ex)\n"
         "    except fia.FiaInputError:\n"
@@ -96,7 +96,7 @@ def test_aclnn_wild_table_id_never_crashes_the_process():
 
 
 # ---------------------------------------------------------------------------------------------- arguments
-@pytest.mark.parametrize("value", [10 ** 400, -(10 ** 400)])
+@pytest.mark.parametrize("value", [10 ** 400, -(10 ** 400)], ids=["1e400", "-1e400"])
 def test_scale_beyond_float64_names_scale(value):
     g = gen(21)
     q, k = randn((1, 2, 1, 16), g), randn((1, 2, 8, 16), g)
