@@ -14,7 +14,8 @@ return convention of torch_npu::
 
 ``.default`` takes ``key`` / ``value`` as tensors (dense or paged KV); the ``.kv_list`` overload takes
 them as ``Tensor[]`` (tensor-list KV, SPEC 1.1). The schemas are generated from the signatures in
-``fia.api`` (one source of truth): tensors become ``Tensor?``, the lengths lists ``int[]?``.
+``fia.api`` (one source of truth): tensors become ``Tensor?``, the lengths lists ``SymInt[]?`` (so that
+``torch.compile`` keeps a decode loop's changing lengths symbolic instead of recompiling for each step).
 
 The ``.out`` overloads have torch_npu's schema (mutated outputs returned as aliases). PyTorch cannot
 functionalize a custom op whose outputs alias its inputs, so ``.out`` is not a kernel of its own: it is a
@@ -35,27 +36,40 @@ Routing: ``fia.npu_fused_infer_attention_score`` & co. (the names exported by ``
 ``fia.torch_npu``) are thin wrappers from this module. Eagerly they call ``fia.api`` directly -- no
 dispatcher hop, identical behaviour and messages. While ``torch.compile`` traces
 (``torch.compiler.is_compiling()``) they call the custom op instead, so Dynamo records a single graph
-node and never traces the Python of the parse layer (``fullgraph=True`` works).
+node and never traces the Python of the parse layer (``fullgraph=True`` works). They call it as well
+whenever FIA's kernels must not run on the call's tensors (`_graph_call`): a Python dispatch mode is active
+(FakeTensorMode, ``make_fx`` in any tracing mode, functionalization), ``torch.jit.trace`` records (the
+Numba kernels are invisible to it: the trace gets one op node that replays the real kernel), the query is
+a meta tensor, or a tensor is a subclass (FakeTensor, FunctionalTensor, ...). On plain tensors that check
+costs ~0.1-0.3 us a call (two C calls once the replay key has vouched for the tensors).
 
 Inference-only, as on the NPU: no autograd formula is registered, so backward through a graph-mode
 node is not supported (PyTorch warns that the op has no autograd kernel).
 
-Under tracing the lengths lists must be Python ints (lists / tuples / NumPy arrays; a lengths *tensor*
-would need a host read inside the graph and is rejected by the schema). An invalid call fails at trace
-time: Dynamo wraps the FIA error in ``torch._dynamo.exc.TorchRuntimeError``, whose message contains
+Under torch.compile the lengths lists must be Python ints (lists / tuples / NumPy arrays; a lengths
+*tensor* would need a host read inside the graph and is rejected by the schema). Dynamo makes the entries
+of a list that changes between calls symbolic after its first recompile; the fake kernel parses their
+example values (`_hinted`: output shapes never depend on the lengths), so a decode loop compiles twice (a
+static graph, then one with symbolic lengths), and each call's real kernel validates its own lengths (an
+out-of-range entry raises FIA's error when the graph runs). Outside torch.compile (jit.trace, make_fx,
+FakeTensorMode) a lengths tensor holding real values is read and recorded as constants (with a
+TracerWarning under jit.trace); a fake or meta one is an input error. An invalid call otherwise fails at
+trace time: Dynamo wraps the FIA error in ``torch._dynamo.exc.TorchRuntimeError``, whose message contains
 the FIA message.
 """
 from __future__ import annotations
 
 import functools
 import inspect
+import operator
+import warnings
 from typing import Callable, Dict, Optional
 
 import torch
 
 from . import api, parse, replay
 from .backends.base import BackendResult
-from .errors import FiaUnsupportedError
+from .errors import FiaUnsupportedError, input_error
 from .finalize import check_output, finalize
 from .outvariants import caller_outputs, empty_workspace
 
@@ -111,7 +125,7 @@ class _OpSpec:
 
 def _schema_type(name: str, default) -> str:
     if default is None:
-        return "int[]?" if name in _INT_LISTS else "int?" if name in _OPT_INTS else "Tensor?"
+        return "SymInt[]?" if name in _INT_LISTS else "int?" if name in _OPT_INTS else "Tensor?"
     if isinstance(default, bool):
         return "bool"
     if isinstance(default, int):
@@ -178,9 +192,29 @@ def _stand_in(t, fill):
     return torch.full(tuple(int(s) for s in t.shape), fill, dtype=t.dtype)
 
 
+def _hinted(name: str, v):
+    """A lengths list with its symbolic entries (torch.compile's dynamic ints) replaced by their example values,
+    read without a guard: output shapes never depend on the lengths (they only bound the windows), so parse
+    checks the example and the real kernel checks every call's values."""
+    if not isinstance(v, (list, tuple)) or all(type(x) is int for x in v):
+        return v
+    out = []
+    for x in v:
+        if isinstance(x, torch.SymInt):
+            if not x.node.has_hint():             # unbacked: computed from tensor data in the graph
+                raise FiaUnsupportedError(f"{name}: graph mode needs lengths known when the graph is built (a "
+                                          f"list of ints, or ints torch.compile made symbolic); received {v}, "
+                                          "computed from tensor data inside the graph", {})
+            x = int(x.node.hint)
+        out.append(x)
+    return out
+
+
 def _fake_kernel(spec: _OpSpec):
     def kernel(*args, **kwargs):
         a = spec.bind(args, kwargs)
+        for name in _INT_LISTS.intersection(a):
+            a[name] = _hinted(name, a[name])
         with _unset_fake():
             for name, fill in _HOST_READ.items():
                 if a.get(name) is not None:
@@ -291,17 +325,58 @@ def op(name: str, kv_list: bool = False, out: bool = False):
 
 
 # ---------------------------------------------------------------------------------------------- routing
-def _host_ints(v):
-    """Lengths for the op schema: tuples / NumPy arrays -> list of ints (a tensor stays: eager only)."""
+_dispatch_modes = torch._C._len_torch_dispatch_stack      # () -> active Python dispatch modes
+_jit_tracing = torch._C._is_tracing                        # torch.jit.is_tracing() without its Python frame
+_Tensor = torch.Tensor
+_PLAIN = (_Tensor, torch.nn.Parameter)
+_SCALARS = frozenset({type(None), bool, int, float, str})
+
+
+def _host_int(x):
+    """One lengths entry for the op schema: ints and torch.compile's symbolic ints as they are (int() would
+    specialize the graph on each step's lengths: a recompile per decode step), NumPy integers as ints; anything
+    else is left for the schema to reject, naming the argument."""
+    if type(x) is int or isinstance(x, torch.SymInt):
+        return x
+    try:
+        return operator.index(x)
+    except TypeError:
+        return x
+
+
+def _host_ints(name: str, v, outside_compile: bool):
+    """Lengths for the op schema: lists / tuples / NumPy arrays -> lists of ints. A tensor: under torch.compile
+    it stays (the schema rejects it: a host read inside the graph); elsewhere (FakeTensorMode, make_fx,
+    torch.jit.trace) its values are read if it has any, and recorded as constants like every other int."""
     if isinstance(v, (list, tuple)):
-        return [int(x) for x in v]
-    if hasattr(v, "tolist") and not isinstance(v, torch.Tensor):      # NumPy array
-        return [int(x) for x in v.tolist()]
+        return [_host_int(x) for x in v]
+    if isinstance(v, torch.Tensor):
+        return _tensor_lengths(name, v) if outside_compile else v
+    if hasattr(v, "tolist"):                                           # NumPy array
+        return [_host_int(x) for x in v.tolist()]
     return v
 
 
-def _traced_call(spec: _OpSpec, query, key, value, kwargs: dict, out: bool = False):
-    kw = {k: (_host_ints(v) if k in _INT_LISTS and v is not None else v) for k, v in kwargs.items()}
+def _tensor_lengths(name: str, t: torch.Tensor) -> list:
+    """A lengths tensor in a traced call outside torch.compile -> its values (a list of ints)."""
+    if type(t) not in _PLAIN or t.is_meta or not t.is_cpu:
+        raise input_error(name, "a list of ints, or a CPU tensor holding real values, when the call is traced or "
+                          "run on fake / meta tensors (the lengths are host values)",
+                          f"a {type(t).__name__} on {t.device.type}")
+    if t.dtype not in (torch.int32, torch.int64) or t.dim() > 1:
+        raise input_error(name, "a 1-D int32/int64 tensor or a list of ints",
+                          f"a {str(t.dtype).replace('torch.', '')} tensor of shape {tuple(t.shape)}")
+    if _jit_tracing():
+        warnings.warn(f"{name}: the lengths tensor's values are recorded in the trace as constants; a call with "
+                      "other lengths replays these", torch.jit.TracerWarning, stacklevel=4)
+    with warnings.catch_warnings():                     # (the tracer's own, unnamed warning: the one above says it)
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        return [int(x) for x in t.detach().numpy().tolist()]
+
+
+def _traced_call(spec: _OpSpec, query, key, value, kwargs: dict, out: bool = False, outside_compile: bool = False):
+    kw = {k: (_host_ints(k, v, outside_compile) if k in _INT_LISTS and v is not None else v)
+          for k, v in kwargs.items()}
     if isinstance(key, (list, tuple)) and isinstance(value, (list, tuple)):
         if out:
             raise FiaUnsupportedError(f"{spec.name}.out: graph mode has no .out overload for tensor-list "
@@ -310,10 +385,36 @@ def _traced_call(spec: _OpSpec, query, key, value, kwargs: dict, out: bool = Fal
     return op(spec.name, out=out)(query, key, value, **kw)
 
 
+def _graph_call(query, key, value, kwargs: dict) -> bool:
+    """Whether a call outside torch.compile must take the custom op (its fake kernel, or a tracer's record of
+    it; never FIA's kernels on these tensors): a dispatch mode is active (FakeTensorMode, make_fx,
+    functionalization), torch.jit.trace records, the query is a meta tensor (a shape-only call), or a tensor is
+    not a plain tensor (FakeTensor, FunctionalTensor, any other subclass). A meta tensor beside a real query is
+    the eager call's device error."""
+    if _dispatch_modes() or _jit_tracing():
+        return True
+    if isinstance(query, _Tensor) and query.is_meta:
+        return True
+    if type(query) is _Tensor and type(key) is _Tensor and type(value) is _Tensor and \
+            _SCALARS.issuperset(map(type, kwargs.values())):
+        return False                                        # the common call: no other tensor
+    for x in (query, key, value, *kwargs.values()):
+        t = type(x)
+        if t in _SCALARS or t is _Tensor:
+            continue
+        if t is list or t is tuple:                         # tensor-list KV, lengths
+            for y in x:
+                if isinstance(y, _Tensor) and type(y) not in _PLAIN:
+                    return True
+        elif isinstance(x, _Tensor) and t not in _PLAIN:
+            return True
+    return False
+
+
 def _routed(spec: _OpSpec, pair: Optional[bool] = None):
-    """The public function of spec: the custom op while torch.compile traces, else the eager function. With
-    `pair` set (the attention entry points: True returns (out, lse), False out alone), repeated eager calls
-    replay their backend's prepared launch (fia.replay)."""
+    """The public function of spec: the custom op while torch.compile traces (or `_graph_call`), else the eager
+    function. With `pair` set (the attention entry points: True returns (out, lse), False out alone), repeated
+    eager calls replay their backend's prepared launch (fia.replay)."""
     fn = spec.fn
     name = spec.name
 
@@ -321,9 +422,14 @@ def _routed(spec: _OpSpec, pair: Optional[bool] = None):
     def wrapper(query, key, value, **kwargs):
         if torch.compiler.is_compiling():
             return _traced_call(spec, query, key, value, kwargs)
+        # a replay key means plain CPU tensors only: then only modes and jit tracing are left to rule out (~90 ns)
         rk = replay.key_of(name, query, key, value, kwargs) if pair is not None else None
         if rk is None:
+            if _graph_call(query, key, value, kwargs):
+                return _traced_call(spec, query, key, value, kwargs, outside_compile=True)
             return fn(query, key, value, **kwargs)
+        if _dispatch_modes() or _jit_tracing():
+            return _traced_call(spec, query, key, value, kwargs, outside_compile=True)
         res = replay.run(rk, query, key, value, kwargs)
         if res is not None:
             return res if pair else res[0]
@@ -338,10 +444,12 @@ def _routed_out(spec: _OpSpec):
 
     @functools.wraps(eager)
     def out_fn(query, key, value, *, workspace=None, out=None, attention_out=None, softmax_lse=None, **kwargs):
-        if torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()
+        # (the inputs decide: a caller's output on the wrong device is the eager .out's input error)
+        if compiling or _graph_call(query, key, value, kwargs):
             a, lse, _ = caller_outputs(out, attention_out, softmax_lse)
             _traced_call(spec, query, key, value, dict(kwargs, workspace=workspace, attention_out=a,
-                                                       softmax_lse=lse), out=True)
+                                                       softmax_lse=lse), out=True, outside_compile=not compiling)
             return a, lse             # the caller's own tensors (the op mutated them)
         return eager(query, key, value, workspace=workspace, out=out, attention_out=attention_out,
                      softmax_lse=softmax_lse, **kwargs)
