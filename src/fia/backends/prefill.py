@@ -27,6 +27,10 @@ this module does those parts:
   1.1b to special rows: geometry-empty rows 0 / +inf; rows whose keys are all user-masked -> mean of V over
   the batch's keys with lse -1e12 + log(S2) (uniform softmax of the finite fill), or 0 / +inf with
   row-invalid correction; learnable sink merged as one extra score column.
+* masked keys score SPEC 3's finite fill (-1e12), which the kernels' -inf masks leave out: it only carries
+  weight in rows whose visible scores all lie near or below it (huge |scale| or inputs), detected from the
+  row lse (one reduction per block) and merged in exactly (_fill_rows). ATen's is_causal applies its -inf
+  before the scale, so a causal call with scale <= 0 gets -q and -scale (scale 0: a zero q) instead.
 * B = 1 with one call covering the whole window (causal, no mask, pse below the skipping size): the
   kernel's own output is returned, exactly what SDPA does.
 Declared unsupported: decode (Q_S = 1), full int8 quantization (P is requantized between the products).
@@ -54,6 +58,10 @@ def _flash(q, k, v, dropout: float, is_causal: bool, attn_mask=None, scale=None)
     (prefill_flash.eligible), else ATen's CPU flash kernel."""
     if prefill_flash.eligible(q, k, v, attn_mask):
         return prefill_flash.flash(q, k, v, is_causal, attn_mask, scale)
+    if is_causal and scale is not None and scale <= 0:
+        # ATen fills the causal -inf before scaling (-inf * 0 = NaN, -inf * -s = +inf): fold the sign into q,
+        # exact in every dtype; scale 0 is an all-zero score matrix (uniform weights)
+        q, scale = (torch.zeros_like(q), 1.0) if scale == 0 else (-q, -scale)
     return _aten_flash(q, k, v, dropout, is_causal, attn_mask=attn_mask, scale=scale)
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -85,6 +93,12 @@ class PrefillBackend(Backend):
         if p.compute_dtype not in (torch.float32, torch.float64):
             reasons.append(f"compute dtype {p.compute_dtype} (kernel supports float32/float64 accumulation)")
         return reasons
+
+    def kernel_sets(self, p: AttentionProblem):
+        """fia.jit: FIA's own flash kernel where it serves this dtype on this CPU; the pse statistics pass."""
+        on = prefill_flash._ON.get(p.dtype)
+        own = ("prefill",) if on is not None and on() else ()
+        return own + ("prefill-pse",) if p.pse is not None else own
 
     # ------------------------------------------------------------------------------------------ run
     def run(self, p: AttentionProblem) -> BackendResult:
@@ -128,6 +142,8 @@ class PrefillBackend(Backend):
         if p.pse is not None:
             bias = p.pse[:1, :, g.q_lo:g.q_hi, g.kv_lo:g.kv_lo + g.s2]
         o, l = _flash(q, k.unsqueeze(0), v.unsqueeze(0), 0.0, seg.kind == CAUSAL, attn_mask=bias, scale=p.scale)
+        if seg.kind == CAUSAL and float(l.amin()) < _fill_threshold(g.s2):
+            return None                                        # masked keys' fill takes weight: _fill_rows
         return BackendResult(o, l.contiguous() if p.want_lse else None)   # [1, N, S, D] (kernel strides)
 
     def _run_batch(self, p: AttentionProblem, b: int, g, kd, out, lse) -> None:
@@ -164,7 +180,8 @@ class PrefillBackend(Backend):
             # mask tiles, no padded head dims
             o, l = prefill_flash.flash(q[None], k[None], v[None], False, bias, p.scale, band=band,
                                        user_mask=um)                  # [1, N, S1, Dv], [1, N, S1]
-            o, l = _special_rows(p, BlockPlan(0, s1), band, s2, o[0], l[0], vmean, um is not None)
+            o, l = _fill_rows(0, s1, band, s2, o[0], l[0], um, vd)
+            o, l = _special_rows(p, BlockPlan(0, s1), band, s2, o, l, vmean, um is not None)
             _write(p, b, g, 0, s1, o, l, out, lse)
             return
         q, k, v = _same_head_dim(q, k, v)                       # ATen's kernel: one head dim, unit stride
@@ -183,6 +200,7 @@ class PrefillBackend(Backend):
                 o = torch.zeros(n, blk.i1 - blk.i0, dv, dtype=p.compute_dtype, device=q.device)
                 l = torch.full((n, blk.i1 - blk.i0), _NEG_INF, dtype=p.compute_dtype, device=q.device)
             o = o[..., :dv]
+            o, l = _fill_rows(blk.i0, blk.i1, band, s2, o, l, um, vd)
             o, l = _special_rows(p, blk, band, s2, o, l, vmean, um is not None)
             _write(p, b, g, blk.i0, blk.i1, o, l, out, lse)
 
@@ -363,6 +381,60 @@ def _vmean(v, n):
     kv_n = v.shape[0]
     m = v.to(torch.float64).mean(dim=1)                        # [KV_N, Dv]
     return m.repeat_interleave(n // kv_n, dim=0)               # [N, Dv] (heads n = h*G + i)
+
+
+# a row whose lse is below fill + log(S2) + this margin may give the masked keys' fill weight above 1e-26
+_FILL_MARGIN = 60.0
+_FILL_ROWS_ELEMS = 1 << 22      # max elements of one [rows, S2] visibility tile of _fill_rows
+
+
+def _fill_threshold(s2: int) -> float:
+    return MASK_FILL + math.log(max(s2, 1)) + _FILL_MARGIN
+
+
+def _fill_rows(i0: int, i1: int, band, s2: int, o, l, um, v):
+    """SPEC 3: masked keys score the finite fill -1e12, not -inf. They carry weight only in rows whose visible
+    scores all lie near or below the fill (huge |scale| or inputs); there they are merged in as one part: the
+    mean of V over the row's masked keys, lse = fill + log(count). Rows without a visible key (lse -inf) are
+    _special_rows'. o [N, rows, Dv], l [N, rows] for window rows [i0, i1); um [S1, S2] or None; v [KV_N, S2, Dv].
+
+    One reduction when no row is concerned (the usual case)."""
+    if band is None and um is None:
+        return o, l
+    thr = _fill_threshold(s2)
+    if float(l.amin()) >= thr:
+        return o, l
+    near = (l < thr) & ~torch.isneginf(l)                      # [N, rows]
+    rows = near.any(dim=0).nonzero().flatten()                 # [R] block-local
+    if rows.numel() == 0:
+        return o, l
+    o = o.to(l.dtype) if o.dtype != l.dtype else o.clone()
+    l = l.clone()
+    n, kv_n = o.shape[0], v.shape[0]
+    vf = v.to(torch.float64)                                   # [KV_N, S2, Dv]
+    fill = torch.tensor(MASK_FILL, dtype=l.dtype).to(torch.float64)   # the fill as the scores' dtype holds it
+    step = max(1, _FILL_ROWS_ELEMS // max(s2, 1))
+    for a in range(0, rows.numel(), step):
+        r = rows[a:a + step]                                   # [R]
+        i = (r + i0).unsqueeze(1)                              # [R, 1] window rows
+        j = torch.arange(s2, device=l.device).unsqueeze(0)     # [1, S2]
+        masked = torch.zeros(r.numel(), s2, dtype=torch.bool, device=l.device)
+        if band is not None:
+            masked |= (j > i + band[1]) | (j < i - band[0])
+        if um is not None:
+            masked |= um[i0 + r] != 0
+        cnt = masked.sum(dim=-1)                               # [R]
+        vsum = torch.matmul(masked.to(torch.float64), vf)      # [KV_N, R, Dv]
+        mean = (vsum / cnt.clamp(min=1).unsqueeze(-1)).repeat_interleave(n // kv_n, dim=0)   # [N, R, Dv]
+        lf = (fill + torch.log(cnt.to(torch.float64))).unsqueeze(0)        # [1, R] (-inf: no masked key)
+        lr = l[:, r].to(torch.float64)                         # [N, R]
+        L = torch.logaddexp(lr, lf)
+        w1, w2 = torch.exp(lr - L).unsqueeze(-1), torch.exp(lf - L).unsqueeze(-1)
+        merged = w1 * o[:, r].to(torch.float64) + w2 * mean    # [N, R, Dv]
+        sel = near[:, r]                                       # [N, R]
+        o[:, r] = torch.where(sel.unsqueeze(-1), merged.to(o.dtype), o[:, r])
+        l[:, r] = torch.where(sel, L.to(l.dtype), l[:, r])
+    return o, l
 
 
 def _special_rows(p: AttentionProblem, blk: BlockPlan, band, s2: int, o, l, vmean, user: bool):
