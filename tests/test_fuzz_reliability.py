@@ -7,8 +7,9 @@ unusual) client makes them. Each case draws one mutation that must not change th
             negation (torch._neg_view): the numbers of the plain call;
   threads   the call made by three threads at once, each with its own torch.set_num_threads (1, 2, 3), on
             every backend's worker pool: each thread's answer right;
-  fake      the call under FakeTensorMode (fake copies of every tensor): output shapes and dtypes of eager,
-            no kernel touched (a crash would kill the run: the fake calls run in a child process).
+
+`test_fuzz_fake_tensors` makes every drawn call again under FakeTensorMode (fake copies of every tensor): output
+shapes and dtypes of eager, no kernel touched (in one child process: a regression would be a crash).
 
 Beside them, `test_aclnn_table_rewrite` draws paged decode calls whose block table the caller rewrites in place
 between the two aclnn phases: to other valid ids (the result is the eager call on the new table, on every
@@ -19,6 +20,7 @@ Every answer is checked against tests/naive.py (float64) through test_fuzz_rando
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -100,6 +102,55 @@ def test_fuzz_reliability(seed, mutation, monkeypatch):
         assert len(results) == 9
         for out, lse in results.values():
             check(case, bt, out, lse)
+
+
+# ---------------------------------------------------------------------------------------------- fake tensors
+_FAKE_CHILD = r"""
+import json, sys
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+import fia
+from test_fuzz_random import build, call, draw
+
+def fake(mode, x):
+    if isinstance(x, torch.Tensor):
+        return mode.from_tensor(x)
+    if isinstance(x, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in x):
+        return type(x)(fake(mode, t) for t in x)
+    return x
+
+bad = []
+for seed in map(int, sys.argv[1:]):
+    case = draw(seed)
+    bt = build(case)
+    want = call(case, bt)
+    mode = FakeTensorMode()
+    bt.q_in, bt.k_in, bt.v_in = (fake(mode, x) for x in (bt.q_in, bt.k_in, bt.v_in))
+    # lengths are host values: a traced / fake call takes them as lists (a fake lengths tensor is an input error)
+    bt.kw = {k: v.tolist() if k.startswith("actual_") and isinstance(v, torch.Tensor) else fake(mode, v)
+             for k, v in bt.kw.items()}
+    try:
+        with mode:
+            got = call(case, bt)
+    except Exception as e:
+        bad.append([seed, f"{type(e).__name__}: {e}"[:300]])
+        continue
+    for w, g in zip(want, got):
+        if (w is None) != (g is None) or (w is not None and (w.shape != g.shape or w.dtype != g.dtype)):
+            bad.append([seed, f"{None if w is None else (tuple(w.shape), w.dtype)} vs "
+                              f"{None if g is None else (tuple(g.shape), g.dtype)}"])
+print(json.dumps(bad))
+"""
+
+
+def test_fuzz_fake_tensors():
+    """Every drawn case again under FakeTensorMode: eager's shapes and dtypes, nothing computed. One child
+    process for all seeds (a regression would be a segmentation fault)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, "-c", _FAKE_CHILD] + [str(s) for s, _ in CASES], capture_output=True,
+                       text=True, timeout=900, cwd=here, env=dict(os.environ, PYTHONPATH=here))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == []
 
 
 # ---------------------------------------------------------------------------------------------- aclnn tables
