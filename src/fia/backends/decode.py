@@ -57,8 +57,12 @@ PREFETCH_MIN_BYTES = 1 << 20
 PREFILL_ROWS = 128          # Q_S > 1 with more rows per KV head than this: prefer the prefill backend
 PREFILL_PRIORITY = PrefillBackend.priority
 _BIG = 1 << 40              # "infinite" block size of unpaged storage
+# [chunks whose QK ran the int16 query kernels, all chunks] x KV heads, summed over every call (atomic adds in the
+# kernels): which QK path the data chose (decode_kernels.I8_QK_MAX_ERR), for tests and measurements
+QK_STATS = np.zeros(2, np.int64)
 
 _K = None                   # the kernel module, imported lazily (numba import + cache load)
+_KERNEL_SETS = ("decode",)  # fia.jit: every call runs the one set of decode_kernels entry points
 
 
 def _kernels():
@@ -175,11 +179,19 @@ class DecodeBackend(Backend):
             return PREFILL_PRIORITY - 1
         return self.priority
 
+    def kernel_sets(self, p: AttentionProblem):
+        return _KERNEL_SETS
+
     def describe(self, p: AttentionProblem) -> Optional[str]:
-        if p.B == 0 or p.N == 0 or p.Dv == 0 or p.Q_S == 0 or (p.packed and p.T == 0):
+        if p.B == 0 or p.N == 0 or p.Q_S == 0 or (p.packed and p.T == 0) or (p.Dv == 0 and not p.want_lse):
             return "kernels: none (empty output)"
+        if p.Dv == 0:
+            return "kernels: none (empty output; the lse by the reference's formulas)"
         K = _kernels()
-        plan = _plan_of(p, _Inputs(p), K)
+        x = _Inputs(p)
+        if x.exceptional:
+            return "kernels: none (NaN, infinite or huge dequant factors: the reference's element-wise formulas)"
+        plan = _plan_of(p, x, K)
         names = []
         for launch in plan.own + [plan.prefix]:
             if launch is not None:
@@ -216,7 +228,7 @@ class DecodeBackend(Backend):
             return None
         K = _kernels()
         x = _Inputs(p)
-        if x.q is not p.query:                    # (the query is copied first: not a view of the call's)
+        if x.q is not p.query or x.exceptional:   # (the query is copied first: not a view of the call's)
             return None
         if aq is not None:                        # per-token factors read in place: parse's tensors, not copies
             src = x.sources[0]
@@ -266,12 +278,24 @@ def _kernel_names(K, launch: "_Launch") -> str:
 # metadata: int parameters, geometry, work split, shapes; _Plan). Problems of the same parse-memo key differ
 # only in data, so their plan is built once (issue 7's small call: ~30 us of Python per call).
 def _run(p: AttentionProblem, K) -> BackendResult:
-    if p.B == 0 or p.N == 0 or p.Dv == 0 or p.Q_S == 0 or (p.packed and p.T == 0):
+    if p.B == 0 or p.N == 0 or p.Q_S == 0 or (p.packed and p.T == 0) or (p.Dv == 0 and not p.want_lse):
         out = torch.zeros(p.out_shape(), dtype=torch.float32)
         lse = torch.full(p.lse_shape(), float("inf"), dtype=torch.float32)
         return BackendResult(out, lse if p.want_lse else None)
+    if p.Dv == 0:                       # an empty output, but an lse (log of the keys' weights): the reference's
+        return _reference(p)
     x = _Inputs(p)
+    if x.exceptional:
+        return _reference(p)
     return _execute(p, x, _plan_of(p, x, K), K)
+
+
+def _reference(p: AttentionProblem) -> BackendResult:
+    """The call computed with the reference's formulas: for what the kernels' folded arithmetic cannot reproduce
+    (NaN / infinite / huge dequant factors applied outside the loop: their inf * 0 and overflows happen per
+    element; head dim 0: the lse alone). Degenerate inputs only."""
+    from .reference import ReferenceBackend
+    return ReferenceBackend().run(p)
 
 
 class _Inputs:
@@ -289,7 +313,8 @@ class _Inputs:
         if um is not None and um.dtype not in (torch.bool, torch.int8, torch.uint8):
             um = (um != 0).to(torch.uint8)          # legacy float16 masks: nonzero = masked
         self.mask = um
-        self.kchan, self.vcs, self.vco = _dequant_factors(p)
+        # exceptional: factors applied outside the loop that are NaN / infinite / huge (decode_kernels.EXC_FACTOR)
+        self.kchan, self.vcs, self.vco, self.exceptional = _dequant_factors(p)
         self.sink = _dummy(np.float32) if p.sink is None else p.sink.detach().to(torch.float32).contiguous().numpy()
         self.sources = list(_sources(p))
         self.prefix = None if p.prefix is None else _Source(      # (per-token dequant never comes with a prefix)
@@ -318,10 +343,11 @@ def _chan_modes(aq):
 
 
 def _dequant_factors(p: AttentionProblem):
-    """kchan [modes, KV_N, D] (scale, offset), vcs / vco [KV_N, Dv] float32 (dummies where absent)."""
+    """kchan [modes, KV_N, D] (scale, offset), vcs / vco [KV_N, Dv] float32 (dummies where absent), and whether
+    one of them is exceptional (decode_kernels.fill_factors)."""
     aq = p.antiquant
     if aq is None:
-        return _no_factors()
+        return _no_factors() + (False,)
     return _factor_arrays(_factor_meta(p), (aq.key.scale, aq.key.offset, aq.value.scale, aq.value.offset))
 
 
@@ -361,7 +387,7 @@ def _factor_specs(meta: tuple, tensors: tuple) -> np.ndarray:
 
 
 def _fill_factors(meta: tuple, specs: np.ndarray) -> tuple:
-    """_dequant_factors' arrays, filled from the factor tensors in place (decode_kernels.fill_factors)."""
+    """_dequant_factors' arrays and flag, filled from the factor tensors in place (decode_kernels.fill_factors)."""
     _, _, kmode, vmode, H, D, Dv = meta
     kchan, vcs, vco = _no_factors()
     if kmode:
@@ -370,8 +396,8 @@ def _fill_factors(meta: tuple, specs: np.ndarray) -> tuple:
         vcs = np.empty((H, Dv), np.float32)
         if vmode == 2:
             vco = np.empty((H, Dv), np.float32)
-    _K.fill_factors(specs, kchan, vcs, vco)
-    return kchan, vcs, vco
+    exceptional = bool(_K.fill_factors(specs, kchan, vcs, vco))
+    return kchan, vcs, vco, exceptional
 
 
 def _no_factors() -> tuple:
@@ -849,8 +875,8 @@ class _Replay:
         specs = self.fspecs.copy()
         for f in self.fslots:
             specs[f, 0] = _view_address(views[f], extras)
-        kchan, vcs, vco = _fill_factors(meta, specs)
-        return kchan, (self.factors[0], vcs, vco)
+        kchan, vcs, vco, exceptional = _fill_factors(meta, specs)
+        return None if exceptional else (kchan, (self.factors[0], vcs, vco))
 
     def __call__(self, q, k, v, lens=None, table=None, extras=()):
         K = _K
@@ -868,7 +894,10 @@ class _Replay:
                 return None
             prepared = self.prepared
         plan, launch, parts, dims, _ = prepared
-        kchan, factors = self._factors(extras)
+        got = self._factors(extras)
+        if got is None:                             # exceptional factors: the full path (decode._reference)
+            return None
+        kchan, factors = got
         bufs = self.bufs.copy()
         s, d = self.slots, self.deltas
         bufs[0, s[0]], bufs[0, s[1]], bufs[0, s[2]] = q.data_ptr() + d[0], k.data_ptr() + d[1], v.data_ptr() + d[2]
@@ -887,12 +916,12 @@ class _Replay:
         if launch.threads == 1:                     # attend + merge in one dispatch
             K.attend_merge(launch.items, launch.ip, plan.fp, plan.geo, launch.work, tbl, bufs, kchan,
                            kt_tbl, vt_tbl, launch.generic, plan.mp, plan.wrange, plan.pwrange,
-                           *factors, plan.obase, dims, out.data_ptr(), lse_addr[0])
+                           *factors, plan.obase, dims, out.data_ptr(), lse_addr[0], QK_STATS)
             return out, lse
         po = _partials(*parts)
         _launch(K.attend_items, launch.items, launch.threads,
                 (launch.ip, plan.fp, plan.geo, launch.work, tbl, bufs, kchan, kt_tbl, vt_tbl, *po,
-                 launch.generic))
+                 launch.generic, QK_STATS))
         _merge(K, plan, factors, out, lse_addr, po, po)
         return out, lse
 
@@ -910,7 +939,7 @@ def _attend(K, plan: _Plan, launch: _Launch, src: "_Source", qbufs: np.ndarray, 
     w0, w1 = launch.w0, launch.w1
     _launch(K.attend_items, launch.items, launch.threads,
             (launch.ip, plan.fp, plan.geo, launch.work, src.tbl, bufs, kchan, src.ktok.tbl, src.vtok.tbl,
-             po[w0:w1], pm[w0:w1], pl[w0:w1], pany[w0:w1], launch.generic))
+             po[w0:w1], pm[w0:w1], pl[w0:w1], pany[w0:w1], launch.generic, QK_STATS))
 
 
 def _chunk(dq: int, dv: int, rows: int) -> int:
@@ -937,12 +966,13 @@ if hasattr(os, "register_at_fork"):
 
 
 def _pool(n: int):
+    """An executor of at least n workers. A larger one replaces the pool without shutting the old one down: a
+    call in another thread may hold it and still submit to it (shutdown made that submit raise). The old pool's
+    idle workers exit once the last reference to it is gone (ThreadPoolExecutor's weakref callback)."""
     global _POOL, _POOL_SIZE
     with _POOL_LOCK:
         if _POOL is None or _POOL_SIZE < n:
             from concurrent.futures import ThreadPoolExecutor
-            if _POOL is not None:
-                _POOL.shutdown(wait=False)
             _POOL = ThreadPoolExecutor(max_workers=n, thread_name_prefix="fia-decode")
             _POOL_SIZE = n
         return _POOL

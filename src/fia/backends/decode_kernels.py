@@ -112,6 +112,19 @@ AHEAD_BYTES = 8192              # 32 rows of bf16 / fp16 at D = 128, 63 of int8
 # fastmath without nnan / ninf: NaN and Inf in the inputs must propagate (SPEC 14)
 FM = {"reassoc", "contract", "nsz", "arcp"}
 MASK_FILL = np.float32(-1e12)
+# The int16 query of the decode_vnni QK kernels (quant_i16: one step per row, max |q~| / 32767) is used only while
+# its rounding keeps every score within I8_QK_MAX_ERR: the bound is the score error's standard deviation for keys
+# of int8 magnitude (|k| <= 128) of random signs, step * 128 * sqrt(D / 12) (times the largest per-token key scale
+# of a chunk). Past it (a query with an outlier channel: the step grows with that channel, every other channel
+# loses precision) QK runs the float32 FMA kernels. 2^-11 is half an fp16 ulp of relative weight error: the output
+# stays within 2 fp16 ulp of the reference (tests/test_reliability_decode.py); an ordinary query (randn, per-channel
+# scales 0.004-0.02, D = 128) sits near 1e-4 of it, an outlier channel of 20-30 (x the softmax scale) reaches it.
+I8_QK_MAX_ERR = np.float32(2.0 ** -11)
+# Per-token dequant factors whose product with an int8 value (|x + offset| * |scale|) may exceed EXC_FACTOR, or that
+# are NaN / infinite: that token's scores (key) or value rows (value) are computed as the reference does, element by
+# element (x + offset) * scale in float32, so that an overflow to inf, inf * 0 and inf - inf give what they give
+# there (folding the scale out of the dot product would turn the NaN of inf - inf into a finite or one-signed score).
+EXC_FACTOR = np.float32(2.0 ** 100)
 
 
 # ---------------------------------------------------------------------------------------------- ip layout
@@ -625,11 +638,38 @@ def quant_i16(x, R, n, dst, sc):
 
 
 # ---------------------------------------------------------------------------------------------- softmax
-@njit(fastmath=FM, cache=True)
-def softmax_chunk(s, R, n, m, ll, vx, acc, Dv, p2, mode, wsc):
+@njit(fastmath=FM, cache=True, inline="always")
+def drain_chunk(cacc, hh, tacc, R, Dv):
+    """cacc[hh, :R, :Dv] += tacc[:R, :Dv], then tacc = 0: a chunk's PV sums into its block of chunks (the item's
+    two-level sums, see _items). Inlined and indexed: a call (or a row view) reference-counts its arrays, atomics
+    that cost ~1 % per chunk helper (int8, one thread)."""
+    for r in range(R):
+        for d in range(np.uint64(Dv)):
+            cacc[hh, r, d] += tacc[r, d]
+            tacc[r, d] = 0.0
+
+
+@njit(fastmath=FM, cache=True, inline="always")
+def drain_block(acc, ll, vx, cacc, cll, cvx, hh, R, Dv):
+    """The block of chunks' sums (cacc / cll / cvx[hh]) into the item's partial (acc, ll, vx), then zeroed."""
+    for r in range(R):
+        for d in range(np.uint64(Dv)):
+            acc[r, d] += cacc[hh, r, d]
+            cacc[hh, r, d] = 0.0
+        ll[r] += cll[hh, r]
+        cll[hh, r] = 0.0
+        vx[r] += cvx[hh, r]
+        cvx[hh, r] = 0.0
+
+
+@njit(fastmath=FM, cache=True, inline="always")
+def softmax_chunk(s, R, n, m, ll, vx, acc, Dv, p2, mode, wsc, kshift, cll, cvx, cacc, hh):
     """Online softmax of the chunk's scores s[:R, :n] (replaced by exp(s - running max)); the running max
-    m, sum ll, the value extras vx and the accumulators acc [R, Dv] are rescaled. mode 1: also write the
-    probabilities as bf16 bits to p2 (rounded to nearest even: what the hardware's cube unit multiplies,
+    m, sum ll, the value extras vx and the accumulators acc [R, Dv] are rescaled, and so are the sums of the current
+    block of chunks cll / cvx / cacc[hh] (see _items); the chunk's sum of weights is added to cll. The "max" is the
+    scores' maximum plus kshift = ln 2^k, 2^k >= the item's keys: every weight is <= 2^-k, so the item's sums (of
+    weights, acc) stay below 1 x max |V|, and a V of 3e38 does not overflow before merge normalizes. mode 1: also
+    write the probabilities as bf16 bits to p2 (rounded to nearest even: what the hardware's cube unit multiplies,
     docs/DECISIONS.md 23); mode 2: also as int16 to p2 with the row scales wsc (quant_i16 fused into the
     pass: the row's largest probability is exp(chunk max - running max)). Returns False when mode 2 left
     p2 unusable (a NaN or infinite probability sum, or a chunk maximum below 1e-30 of the running one): the
@@ -642,7 +682,8 @@ def softmax_chunk(s, R, n, m, ll, vx, acc, Dv, p2, mode, wsc):
     for r in range(R):
         mo = m[r]
         cm = max_f32(s.ctypes.data + r * s.strides[0], n, np.float32(-np.inf), 0)   # NaN scores: see max_f32
-        mx = cm if cm > mo else mo
+        cmk = cm + kshift
+        mx = cmk if cmk > mo else mo
         alpha = fexp(mo - mx)
         # what the pass writes to p2 (pm) -- mode 2 without a usable row scale writes nothing (ok = False) --
         # then the whole 16-score blocks in decode_simd.exp_rows (16 lanes), the tail here
@@ -667,12 +708,16 @@ def softmax_chunk(s, R, n, m, ll, vx, acc, Dv, p2, mode, wsc):
             ls += e
         if mode == 2 and not (ls < np.float32(np.inf)):          # NaN or infinite: not quantized
             ok = False
-        ll[r] = ll[r] * alpha + ls
         m[r] = mx
         if alpha != np.float32(1.0):
+            ll[r] *= alpha
+            cll[hh, r] *= alpha
             vx[r] *= alpha
+            cvx[hh, r] *= alpha
             for d in range(np.uint64(Dv)):
                 acc[r, d] *= alpha
+                cacc[hh, r, d] *= alpha
+        cll[hh, r] += ls
     return ok
 
 
@@ -726,7 +771,10 @@ def fill_factors(specs, kchan, vcs, vco):
     [4, FS_LEN] (key scale, key offset, value scale, value offset; address 0: absent) give each tensor's
     address, element kind, granularity (GRAN_*: one value for all, H x D values, one per head), and shape /
     element strides padded to 4 dims (shape 1). Key scale / offset go to kchan[0] / kchan[1] [H, D], value
-    scale / offset to vcs / vco [H, Dv]; the values in the tensor's logical order (as torch's reshape)."""
+    scale / offset to vcs / vco [H, Dv]; the values in the tensor's logical order (as torch's reshape).
+    Returns whether a scale / offset pair lies outside EXC_FACTOR (NaN / infinite included): folded out of the loop,
+    such factors would not give the reference's element-wise inf * 0 and overflows (decode.py then runs the call
+    with the reference's formulas)."""
     for f in range(4):
         addr = specs[f, FS_ADDR]
         if addr == 0:
@@ -768,6 +816,19 @@ def fill_factors(specs, kchan, vcs, vco):
                             for j in range(H * Dd):
                                 flat[j] = x
                         i += 1
+    bad = False
+    for k in range(2):                                     # (key: kchan[0] / kchan[1]; value: vcs / vco)
+        if specs[2 * k, FS_ADDR] == 0:
+            continue
+        sc = kchan[0] if k == 0 else vcs
+        has_off = specs[2 * k + 1, FS_ADDR] != 0
+        off = kchan[min(1, kchan.shape[0] - 1)] if k == 0 else vco
+        for a in range(sc.shape[0]):
+            for d in range(sc.shape[1]):
+                x = abs(sc[a, d]) * (np.float32(128.0) + (abs(off[a, d]) if has_off else np.float32(0.0)))
+                if not x <= EXC_FACTOR:
+                    bad = True
+    return bad
 
 
 @njit(fastmath=FM, cache=True)
@@ -790,6 +851,66 @@ def token_scales(tbl, i, h, c0, n, tb, s_blk, s_h, s_s, mode, sc, off, dst_s, ds
         if sl == tb:
             sl = 0
             bi += 1
+
+
+@njit(fastmath=FM, cache=True, inline="always")
+def exceptional(sc, off, mode, n):
+    """Whether a token of the chunk (< n) has per-token factors outside EXC_FACTOR (see there; NaN included).
+    A count of compares, not an early exit or a max: the loop vectorizes (a float max without nnan does not)."""
+    bad = 0
+    if mode == 2:
+        for c in range(np.uint64(n)):
+            bad += 0 if abs(sc[c]) * (np.float32(128.0) + abs(off[c])) <= EXC_FACTOR else 1
+    else:
+        for c in range(np.uint64(n)):
+            bad += 0 if abs(sc[c]) * np.float32(128.0) <= EXC_FACTOR else 1
+    return bad != 0
+
+
+@njit(fastmath=FM, cache=True)
+def exact_key_tokens(s, R, n, sc, off, mode, kbuf, k_kind, koff, qraw, D, scale, kf, offs):
+    """The scores s[:R, c] of the chunk's exceptional key tokens c (exceptional), as the reference computes them:
+    (q . ((k + offset) * scale_c)) * softmax scale, the key dequantized element by element in float32; qraw [R, D]:
+    the rows' query (times dequant_scale_query)."""
+    k8, k16, k32, kfl = views(kbuf)
+    for c in range(n):
+        o = off[c] if mode == 2 else np.float32(0.0)
+        t = sc[c]
+        if abs(t) * (np.float32(128.0) + abs(o)) <= EXC_FACTOR:
+            continue
+        offs[0] = koff[c]
+        load_rows(k8, k16, k32, kfl, offs, 1, k_kind, kf, 0, D)
+        for d in range(D):
+            kf[0, d] = (kf[0, d] + o) * t
+        for r in range(R):
+            a = np.float32(0.0)
+            for d in range(D):
+                a += qraw[r, d] * kf[0, d]
+            s[r, c] = a * scale
+
+
+@njit(fastmath=FM, cache=True)
+def exact_value_tokens(s, R, n, sc, off, mode, vbuf, v_kind, voff, Dv, tacc, vf, offs):
+    """The chunk's exceptional value tokens c (exceptional): tacc[r, :] += w[r, c] * ((v + offset) * scale_c), the
+    value dequantized element by element in float32 as the reference does; their weights and factors are then
+    zeroed, so the other paths (weights times scale, offset extras) leave them out."""
+    v8, v16, v32, vfl = views(vbuf)
+    for c in range(n):
+        o = off[c] if mode == 2 else np.float32(0.0)
+        t = sc[c]
+        if abs(t) * (np.float32(128.0) + abs(o)) <= EXC_FACTOR:
+            continue
+        offs[0] = voff[c]
+        load_rows(v8, v16, v32, vfl, offs, 1, v_kind, vf, 0, Dv)
+        for d in range(Dv):
+            vf[0, d] = (vf[0, d] + o) * t
+        for r in range(R):
+            w = s[r, c]
+            for d in range(Dv):
+                tacc[r, d] += w * vf[0, d]
+            s[r, c] = np.float32(0.0)
+        sc[c] = np.float32(0.0)
+        off[c] = np.float32(0.0)
 
 
 @njit(fastmath=FM, cache=True, inline="always")
@@ -821,6 +942,17 @@ def eo_rows(x, R, D, tmp, back):
                 for i in range(8):
                     x[r, j + i] = tmp[0, 2 * i]
                     x[r, j + 8 + i] = tmp[0, 2 * i + 1]
+
+
+@njit(fastmath=FM, cache=True, inline="always")
+def _i8_tokens_ok(qerr, tsk, n):
+    """Whether the int16 query keeps the chunk's scores within I8_QK_MAX_ERR under its per-token key scales
+    (every |scale| <= I8_QK_MAX_ERR / qerr; a count of compares: vectorizes, see exceptional)."""
+    lim = I8_QK_MAX_ERR / qerr if qerr > np.float32(0.0) else np.float32(np.inf)
+    bad = 0
+    for c in range(np.uint64(n)):
+        bad += 0 if abs(tsk[c]) <= lim else 1
+    return bad == 0
 
 
 # what kernel_flags reports (bits)
@@ -855,7 +987,9 @@ def kernel_flags(ip):
     # int16 x int8 dot-product kernels (decode_vnni) for int8 K / V: the query (times the key scales) and the
     # probabilities quantized to int16 per row (quant_i16). Not for a float32 query (portable mode): its
     # float32 output is held to float32 accuracy, the float32 kernels keep it. (PV falls back to FMA for a
-    # chunk whose probabilities cannot be quantized: NaN / Inf, see quant_i16.)
+    # chunk whose probabilities cannot be quantized: NaN / Inf, see quant_i16; QK for a head whose query holds a
+    # NaN / Inf or whose int16 rounding would move a score by more than I8_QK_MAX_ERR: decided per item and chunk
+    # from the data, counted in decode.QK_STATS.)
     i8 = (ip[IP_DP] & DP_I8) != 0 and ip[IP_Q_KIND] != KIND_F32
     if i8 and k_kind == KIND_I8 and Dr == 0 and D % 32 == 0 and D <= QK_MAX_D:
         f |= KF_I8_QK
@@ -891,13 +1025,17 @@ def kernel_flags(ip):
 def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbuf,
           kt_tbl, kts, kto, vt_tbl, vts, vto, pse, mask, po, pm, pl, pany,
           qvh, qah, qsh, rb, rnh, rs, tmp, offs, kf, vf, s, vxh, koff, voff, roff, tsk, tok, tsv, tov, q2h, p2, knext,
-          isch, i8q, sinks, generic):
+          isch, i8q, sinks, generic, tacc, cacc, cll, cvx, qerr, qraw, stats):
     """The items of `items` (w * (KV_N / HB) + h / HB) this thread claims through `counter`, one after another. The
     claim loop is here, not in the caller: numba reference-counts every array argument of a call (an atomic
     add at entry and exit), and per item the ~47 arrays of this function were ~100 atomics, ~0.5 us per item
     (a quarter of the kernel time of issue 7's small call, perf samples in NRT_incref / NRT_decref).
     An item covers HB = ip[IP_HB] KV heads: their query rows are made first (per-head scratch [HB, ...]), then
-    chunk by chunk every head's QK / softmax / PV (the state of head h in po / pm / pl / pany[w, h])."""
+    chunk by chunk every head's QK / softmax / PV (the state of head h in po / pm / pl / pany[w, h]).
+    Sums over an item's keys run in two levels, so that no float32 sum takes more than ~2 sqrt(chunks) terms (one
+    running sum over 2^20 keys drifts by 1e-3 relative): each chunk's PV sums go to tacc [R, Dv], tacc to the block
+    of chunks' cacc, every `blk` chunks (~sqrt of the item's) cacc to the partial acc; the same for the sum of
+    weights (cll -> ll) and the value extras (cvx -> vx). Plain sums: fastmath's reassociation keeps them."""
     H = ip[IP_H]
     HB = ip[IP_HB]
     NG = H // HB
@@ -967,6 +1105,8 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
     want_any = ip[IP_WANT_ANY]
     prefix_pass = ip[IP_PREFIX_PASS]
     sink = np.uint64(0)
+    n_i8 = 0                                               # chunks x heads whose QK ran qk_i8, of n_qk (stats)
+    n_qk = 0
     while True:
         it = claim(items, counter)
         if it < 0:
@@ -985,10 +1125,22 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
                 m[r] = -np.inf
                 ll[r] = 0.0
                 anyu[r] = 0
+                cll[h - h0, r] = 0.0
+                cvx[h - h0, r] = 0.0
                 for d in range(Dv):
                     acc[r, d] = 0.0
+                    cacc[h - h0, r, d] = 0.0
         if hi <= lo:
             continue
+        # weights exp(s - max - ln 2^k) with 2^k >= the item's keys: its sums stay <= 1 x max |V| (softmax_chunk)
+        kb = 0
+        while (1 << kb) < hi - lo:
+            kb += 1
+        kshift = np.float32(kb * 0.6931471805599453)
+        nch = (hi - lo + C - 1) // C                     # chunks of the item; blocks of blk of them
+        blk = 1
+        while blk * blk < nch:
+            blk += 1
         # (the typed views of K / V / rope / pse are made where a path reads them: an array view checks its
         # size, which numba cannot drop, and 24 of them per item were ~9 % of a small call's kernel time)
 
@@ -1022,6 +1174,9 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
                 if si < geo[GEO_QLO, b] or si >= geo[GEO_QHI, b]:
                     for d in range(dq):
                         qv[r, d] = 0.0
+                    if kt_mode != 0:
+                        for d in range(D):
+                            qraw[hh, r, d] = 0.0
                     if dp_qk:
                         for d in range(D):
                             q2[r, d] = 0
@@ -1041,6 +1196,10 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
                     f = f * qds[b * ip[IP_QD_SB] + n * ip[IP_QD_SN] + si * ip[IP_QD_SS]]
                 for d in range(D):
                     qv[r, d] = tmp[0, d] * f
+                if kt_mode != 0:                               # (the reference's query, for exact_key_tokens)
+                    fq = qds[b * ip[IP_QD_SB] + n * ip[IP_QD_SN] + si * ip[IP_QD_SS]] if ip[IP_QD] != 0 else 1.0
+                    for d in range(D):
+                        qraw[hh, r, d] = tmp[0, d] * np.float32(fq)
                 # the rope part (columns D..D+Dr) is not quantized: dequant_scale_query applies to the int8
                 # query only (SPEC 11: Q = Q_q * scale; Q_rope keeps its float16/bfloat16 values)
                 for d in range(D, dq):
@@ -1061,12 +1220,21 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
                 eo_rows(qv, R, D, tmp, False)
             if i8_qk:
                 i8_qk = quant_i16(qv, R, D, q2.view(np.int16), isch[hh, 0])
+            if i8_qk:                                      # the int16 query's score error (I8_QK_MAX_ERR)
+                st = np.float32(0.0)
+                for r in range(R):
+                    st = max(st, isch[hh, 0, r])
+                qerr[hh] = st * np.float32(128.0) * np.float32(np.sqrt(D / 12.0))
+                if kt_mode == 0 and not qerr[hh] <= I8_QK_MAX_ERR:
+                    i8_qk = False
             i8q[hh] = i8_qk
             for r in range(R):
                 vxh[hh, r] = 0.0
         for c0 in range(lo, hi, C):
             n = min(C, hi - c0)
             n_ = np.uint64(n)
+            ci = (c0 - lo) // C
+            flush = (ci + 1) % blk == 0 or c0 + C >= hi  # the block of chunks ends: its sums into the partial
             if touch:                                  # the chunk's rows of every head, front to back (DP_TOUCH)
                 row_offsets(tbl, i, c0, n, bs, k_blk, h0 * k_h, k_s, koff)
                 sink ^= touch_rows(kbuf, koff, n, k_es_, k_span)
@@ -1098,6 +1266,7 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
                     token_scales(vt_tbl, i, h, c0, n, ip[IP_VT_BS], ip[IP_VT_BLK], ip[IP_VT_H], ip[IP_VT_S],
                                  vt_mode, vts, vto, tsv, tov)
                 # ---- K chunk -> scores (the softmax scale is folded into q)
+                n_qk += 1
                 if dp_qk:
                     # V rows of the same keys are requested on the way. AMX: the whole 16-key blocks, 16 query rows
                     # at a time (the first group prefetches), then the rest of the keys as below
@@ -1113,7 +1282,8 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
                         qk_dp(q2.ctypes.data, q2.shape[1] * 2, kbuf.ctypes.data, koff.ctypes.data + 8 * n0, n - n0,
                               s.ctypes.data + 4 * n0, s.shape[1], R, D, scale, vbuf.ctypes.data,
                               voff.ctypes.data + 8 * n0, n - n0 if pf else 0, v_row, v_es)
-                elif i8_qk:
+                elif i8_qk and (kt_mode == 0 or _i8_tokens_ok(qerr[hh], tsk, n)):
+                    n_i8 += 1
                     qk_i8(q2.ctypes.data, q2.shape[1] * 2, kbuf.ctypes.data, koff.ctypes.data, n, s.ctypes.data,
                           s.shape[1], R, D, isc.ctypes.data, vbuf.ctypes.data, voff.ctypes.data, n if pf else 0,
                           v_row, v_es)
@@ -1141,6 +1311,8 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
                         qsr = qs[r]
                         for c in range(n_):
                             s[r, c] = (s[r, c] + tok[c] * qsr) * tsk[c]
+                    if Dr == 0 and exceptional(tsk, tok, kt_mode, n):
+                        exact_key_tokens(s, R, n, tsk, tok, kt_mode, kbuf, k_kind, koff, qraw[hh], D, scale, kf, offs)
                 elif kc_mode == 2:
                     for r in range(R):
                         qar = qa[r]
@@ -1188,9 +1360,11 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
                             anyu[r] = 1
                 # ---- online softmax over the chunk (and the bf16 probabilities of pv_dp)
                 sm_mode = 1 if dp_pv else (2 if i8_pv and vt_mode == 0 else 0)
-                fused = softmax_chunk(s, R, n, m, ll, vx, acc, Dv, p2, sm_mode, isc[1])
-                # ---- V chunk -> acc
+                fused = softmax_chunk(s, R, n, m, ll, vx, acc, Dv, p2, sm_mode, isc[1], kshift, cll, cvx, cacc, hh)
+                # ---- V chunk -> tacc (zero here), then into the block's sums cacc[hh]
                 if vt_mode != 0:
+                    if exceptional(tsv, tov, vt_mode, n):
+                        exact_value_tokens(s, R, n, tsv, tov, vt_mode, vbuf, v_kind, voff, Dv, tacc, vf, offs)
                     for r in range(R):
                         for c in range(n_):
                             s[r, c] *= tsv[c]
@@ -1198,7 +1372,7 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
                             t = np.float32(0.0)
                             for c in range(n_):
                                 t += s[r, c] * tov[c]
-                            vx[r] += t
+                            cvx[hh, r] += t
                 use_i8 = i8_pv and ((sm_mode == 2 and fused) or quant_i16(s, R, n, p2i, isc[1]))
                 if dp_pv or use_i8 or fma_pv or generic is None:
                     # the next chunk's K rows are requested on the way
@@ -1210,29 +1384,32 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
                         n0 = n & ~15 if amx_pv else 0            # AMX: the whole 16-key blocks (they prefetch)
                         if n0 > 0:
                             pv_amx(p2.ctypes.data, p2.shape[1] * 2, vbuf.ctypes.data, voff.ctypes.data, n0,
-                                   acc.ctypes.data, Dv, R, Dv, kbuf.ctypes.data, knext.ctypes.data, nn, k_row, k_es)
+                                   tacc.ctypes.data, Dv, R, Dv, kbuf.ctypes.data, knext.ctypes.data, nn, k_row, k_es)
                             nn = 0
                         if n0 < n:
                             pv_dp(p2.ctypes.data + 2 * n0, p2.shape[1] * 2, vbuf.ctypes.data,
-                                  voff.ctypes.data + 8 * n0, n - n0, acc.ctypes.data, Dv, R, Dv, kbuf.ctypes.data,
+                                  voff.ctypes.data + 8 * n0, n - n0, tacc.ctypes.data, Dv, R, Dv, kbuf.ctypes.data,
                                   knext.ctypes.data, nn, k_row, k_es)
                     elif use_i8:
-                        pv_i8(p2.ctypes.data, p2.shape[1] * 2, vbuf.ctypes.data, voff.ctypes.data, n, acc.ctypes.data,
+                        pv_i8(p2.ctypes.data, p2.shape[1] * 2, vbuf.ctypes.data, voff.ctypes.data, n, tacc.ctypes.data,
                               Dv, R, Dv, isc.ctypes.data + 4 * R, kbuf.ctypes.data, knext.ctypes.data, nn, k_row, k_es)
                     else:
                         pv_fma(s.ctypes.data, s.shape[1] * 4, vbuf.ctypes.data, KIND_BF16_EO if eo_pv else v_kind,
                                voff.ctypes.data, n,
-                               acc.ctypes.data, Dv, R, Dv, kbuf.ctypes.data, knext.ctypes.data, nn, k_row, k_es)
+                               tacc.ctypes.data, Dv, R, Dv, kbuf.ctypes.data, knext.ctypes.data, nn, k_row, k_es)
                 elif v_kind == KIND_BF16:
-                    pv_fused(s, views(vbuf)[1], v_kind, voff, n, acc, R, Dv)
+                    pv_fused(s, views(vbuf)[1], v_kind, voff, n, tacc, R, Dv)
                 elif v_kind == KIND_FP16:
-                    pv_fused(s, views(vbuf)[1].view(np.int16), v_kind, voff, n, acc, R, Dv)
+                    pv_fused(s, views(vbuf)[1].view(np.int16), v_kind, voff, n, tacc, R, Dv)
                 elif v_kind == KIND_I8:
-                    pv_fused(s, views(vbuf)[0], v_kind, voff, n, acc, R, Dv)
+                    pv_fused(s, views(vbuf)[0], v_kind, voff, n, tacc, R, Dv)
                 else:
                     v8, v16, v32, vfl = views(vbuf)
                     load_rows(v8, v16, v32, vfl, voff, n, v_kind, vf, 0, Dv)
-                    pv_block(s, vf, acc, R, n, Dv)
+                    pv_block(s, vf, tacc, R, n, Dv)
+                drain_chunk(cacc, hh, tacc, R, Dv)
+                if flush:
+                    drain_block(acc, ll, vx, cacc, cll, cvx, hh, R, Dv)
         for h in range(h0, h0 + HB):
             acc = po[w, h]
             if vt_mode == 2:
@@ -1243,16 +1420,19 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
             if eo_pv:                                      # pv_fma's even / odd channel groups back in order
                 eo_rows(acc, R, Dv, tmp, True)
     sinks[0] = sink                                        # (keeps the touch loads)
+    _fetch_add(stats, 0, n_i8)
+    _fetch_add(stats, 1, n_qk)
 
 
 @njit(nogil=True, fastmath=FM, cache=True)
 def attend_items(items, counter, ip, fp, geo, work, tbl, bufs, kchan, kt_tbl, vt_tbl, po, pm, pl, pany,
-                 generic):
+                 generic, stats):
     """Items (w * (KV_N / HB) + h / HB) without the GIL. Every thread running this call takes the next item of
     `items` (longest first) through the shared atomic `counter` until none is left: dynamic
     scheduling, so a thread that loses its core to another process does not hold up the call.
     Buffers come as (address, bytes) in `bufs` (see BUF_*). `generic`: None compiles (and runs) only
-    the fused bf16 / fp16 / int8 paths; an array (any) adds float32, int4 and MLA-rope K/V."""
+    the fused bf16 / fp16 / int8 paths; an array (any) adds float32, int4 and MLA-rope K/V. stats int64 [2]: the
+    chunks (x KV heads) whose QK ran the int16 query kernels and all of them are added to it (decode.QK_STATS)."""
     R = ip[IP_R]
     dq = ip[IP_D] + ip[IP_DR]
     Dv = ip[IP_DV]
@@ -1296,10 +1476,16 @@ def attend_items(items, counter, ip, fp, geo, work, tbl, bufs, kchan, kt_tbl, vt
     i8q = np.zeros(HB, np.bool_)                # the int16 query of a head is usable (quant_i16)
     sinks = np.zeros(1, np.uint64)              # what touch_rows read
     knext = np.zeros(C, np.int64)               # the next chunk's K row offsets (prefetched during PV)
+    tacc = np.zeros((R, Dv), np.float32)        # a chunk's PV sums (left 0 after each chunk)
+    cacc = np.zeros((HB, R, Dv), np.float32)    # the current block of chunks' acc, sum of weights, value extras
+    cll = np.zeros((HB, R), np.float32)
+    cvx = np.zeros((HB, R), np.float32)
+    qerr = np.zeros(HB, np.float32)             # the int16 query's score error per unit key scale (I8_QK_MAX_ERR)
+    qraw = np.zeros((HB, R, ip[IP_D] if ip[IP_KT_MODE] != 0 else 0), np.float32)   # exact_key_tokens' query
     _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbuf,
            kt_tbl, kts, kto, vt_tbl, vts, vto, pse, mask, po, pm, pl, pany,
            qv, qa, qs, rb, rn, rs, tmp, offs, kf, vf, s, vx, koff, voff, roff, tsk, tok, tsv, tov, q2, p2, knext,
-           isc, i8q, sinks, generic)
+           isc, i8q, sinks, generic, tacc, cacc, cll, cvx, qerr, qraw, stats)
 
 
 # ---------------------------------------------------------------------------------------------- planning
@@ -1351,19 +1537,28 @@ def _partials_max(pm, pl, w0, w1, h, r, M):
 
 
 @njit(fastmath=FM, cache=True, inline="always")
-def _partials_add(po, pm, pl, pany, w0, w1, h, r, M, o, Dv, lk, seen):
-    """o[:Dv] += the partials w0 <= w < w1 of row r, head h, rescaled to the maximum M; returns the sum lk
-    and whether any of them saw an unmasked key (seen), continued from the given ones."""
+def _partials_sum(pm, pl, pany, w0, w1, h, r, M, lk, seen):
+    """The sum of weights lk of the partials w0 <= w < w1 of row r, head h, rescaled to the maximum M, and whether
+    any of them saw an unmasked key (seen), continued from the given ones."""
     for w in range(w0, w1):
         lw = pl[w, h, r]
         if lw > 0 or lw != lw:
-            f = np.float32(np.exp(pm[w, h, r] - M))
-            lk += lw * f
-            for d in range(Dv):
-                o[d] += po[w, h, r, d] * f
+            lk += lw * np.float32(np.exp(pm[w, h, r] - M))
         if pany[w, h, r] != 0:
             seen = 1
     return lk, seen
+
+
+@njit(fastmath=FM, cache=True, inline="always")
+def _partials_add(po, pm, pl, w0, w1, h, r, M, inv, o, Dv):
+    """o[:Dv] += the partials w0 <= w < w1 of row r, head h, rescaled to the maximum M and divided by the total
+    sum of weights (times inv = 1 / it): normalized as they are added, a V near float32's maximum does not overflow."""
+    for w in range(w0, w1):
+        lw = pl[w, h, r]
+        if lw > 0 or lw != lw:
+            f = np.float32(np.exp(pm[w, h, r] - M)) * inv
+            for d in range(Dv):
+                o[d] += po[w, h, r, d] * f
 
 
 @njit(nogil=True, fastmath=FM, cache=True)
@@ -1444,11 +1639,9 @@ def merge(mp, geo, po, pm, pl, pany, wrange, ppo, ppm, ppl, ppany, pwrange, sink
                     M = sk
             for d in range(Dv):
                 o[d] = 0.0
-            lk, seen = _partials_add(po, pm, pl, pany, wrange[0, b], wrange[1, b], h, r, M, o, Dv,
-                                     np.float32(0.0), 0)
+            lk, seen = _partials_sum(pm, pl, pany, wrange[0, b], wrange[1, b], h, r, M, np.float32(0.0), 0)
             if has_prefix != 0:
-                lk, seen = _partials_add(ppo, ppm, ppl, ppany, pwrange[0, gi], pwrange[1, gi], h, rp, M, o, Dv,
-                                         lk, seen)
+                lk, seen = _partials_sum(ppm, ppl, ppany, pwrange[0, gi], pwrange[1, gi], h, rp, M, lk, seen)
             if row_fix != 0 and seen == 0 and has_sink == 0:
                 for d in range(Dv):
                     o[d] = 0.0
@@ -1459,15 +1652,16 @@ def merge(mp, geo, po, pm, pl, pany, wrange, ppo, ppm, ppl, ppany, pwrange, sink
             if has_sink != 0:
                 lt = lk + np.float32(np.exp(sk - M))
             inv = np.float32(1.0) / lt
-            if v_chan == 0:
+            _partials_add(po, pm, pl, wrange[0, b], wrange[1, b], h, r, M, inv, o, Dv)
+            if has_prefix != 0:
+                _partials_add(ppo, ppm, ppl, pwrange[0, gi], pwrange[1, gi], h, rp, M, inv, o, Dv)
+            if v_chan == 1:
                 for d in range(Dv):
-                    o[d] = o[d] * inv
-            elif v_chan == 1:
+                    o[d] = o[d] * vcs[h, d]
+            elif v_chan == 2:
+                lw = lk * inv                                 # (the own and prefix keys' share of the weights)
                 for d in range(Dv):
-                    o[d] = (o[d] * vcs[h, d]) * inv
-            else:
-                for d in range(Dv):
-                    o[d] = ((o[d] + vco[h, d] * lk) * vcs[h, d]) * inv
+                    o[d] = (o[d] + vco[h, d] * lw) * vcs[h, d]
             _store(of, oh, okind, ob, o, Dv)
             lse[lb] = M + np.float32(np.log(lt))
 
@@ -1489,7 +1683,7 @@ def _store(of, oh, okind, ob, o, Dv):
 # ---------------------------------------------------------------------------------------------- one dispatch
 @njit(nogil=True, cache=True)
 def attend_merge(items, ip, fp, geo, work, tbl, bufs, kchan, kt_tbl, vt_tbl, generic, mp, wrange, pwrange, sink,
-                 vcs, vco, obase, dims, out_addr, lse_addr):
+                 vcs, vco, obase, dims, out_addr, lse_addr, stats):
     """A single-threaded call without a prefix (fia.replay): attend_items on the calling thread, then merge, in
     one dispatch -- the partials [W, KV_N, R(, Dv)] (dims = W, KV_N, R, Dv, output bytes, lse bytes), the
     counter and obufs made here. On a small call each numba dispatch and each numpy allocation costs the
@@ -1500,7 +1694,8 @@ def attend_merge(items, ip, fp, geo, work, tbl, bufs, kchan, kt_tbl, vt_tbl, gen
     pl = np.zeros((W, dims[1], dims[2]), np.float32)
     pany = np.zeros((W, dims[1], dims[2]), np.uint8)
     counter = np.zeros(1, np.int64)
-    attend_items(items, counter, ip, fp, geo, work, tbl, bufs, kchan, kt_tbl, vt_tbl, po, pm, pl, pany, generic)
+    attend_items(items, counter, ip, fp, geo, work, tbl, bufs, kchan, kt_tbl, vt_tbl, po, pm, pl, pany, generic,
+                 stats)
     obufs = np.empty((2, 2), np.int64)
     obufs[0, 0] = out_addr
     obufs[0, 1] = lse_addr

@@ -25,7 +25,7 @@ from .prefill_simd import COLS, ROWS, gemm_bf16, gemm_f16, gemm_f32
 
 # the hash of the files whose code these kernels embed: numba caches on this file's bytes alone
 # (kernel_sources.py; tests/test_kernel_cache.py names the new value when one of them changes)
-SOURCES_SHA = "acee9cb6b1389585"
+SOURCES_SHA = "bb779aaac9ea6ecd"
 
 __all__ = ["COLS", "ROWS", "pack_items", "flash_items"]
 
