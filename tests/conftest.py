@@ -6,11 +6,14 @@ with FIA_TEST_BACKENDS=reference,decode (comma-separated names).
 """
 import os
 
-import pytest
+# the suite tests what each backend computes, compiling where needed (tests/test_jit.py covers the tiers)
+os.environ.setdefault("FIA_JIT", "sync")
 
-import fia
-from fia.backends import registry
-from fia.errors import FiaBackendUnavailable
+import pytest  # noqa: E402
+
+import fia  # noqa: E402
+from fia.backends import registry  # noqa: E402
+from fia.errors import FiaBackendUnavailable  # noqa: E402
 
 _ALL = [b.name for b in registry.backends()]
 _SEL = [n for n in os.environ.get("FIA_TEST_BACKENDS", ",".join(_ALL)).split(",") if n]

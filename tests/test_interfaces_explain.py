@@ -99,13 +99,16 @@ def test_explain_lists_why_other_backends_cannot(monkeypatch):
 
 
 def test_explain_unsupported_case_has_the_error_text(monkeypatch):
-    """Nothing can run tensors on the meta device: the report carries the FiaUnsupportedError's text."""
+    """No backend computes on the meta device: the report carries the FiaUnsupportedError's text that the eager
+    function raises (the public function answers meta tensors with the shape-only graph-mode kernel)."""
     monkeypatch.setattr(registry, "_BACKENDS", [PickyBackend(), ReferenceBackend()])
     q, k, v = qkv("meta")
     rep = fia.explain(q, k, v, **KW)
     assert not rep.supported and rep.selected is None
+    out, _ = fia.npu_fused_infer_attention_score(q, k, v, **KW)
+    assert out.device.type == "meta" and out.shape == q.shape
     with pytest.raises(fia.FiaUnsupportedError) as e:
-        fia.npu_fused_infer_attention_score(q, k, v, **KW)
+        fia.api.npu_fused_infer_attention_score(q, k, v, **KW)
     assert e.value.reasons == rep.reasons
     text = str(rep).splitlines()
     for line in str(e.value).splitlines():

@@ -15,6 +15,7 @@ from .ops import (_npu_fused_infer_attention_score_get_max_workspace,  # noqa: E
                   npu_prompt_flash_attention)
 from . import aclnn, ops  # noqa: E402
 from .explain import DispatchReport, explain  # noqa: E402
+from .kernel_warmup import warmup  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -25,5 +26,5 @@ __all__ = [
     "FiaError", "FiaInputError", "FiaUnsupportedError", "FiaRuntimeError", "FiaMemoryError",
     "get_validation_mode", "set_validation_mode", "validation_mode",
     "get_backend", "set_backend", "use_backend",
-    "explain", "DispatchReport", "aclnn", "ops",
+    "explain", "DispatchReport", "aclnn", "ops", "warmup",
 ]

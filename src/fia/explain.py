@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from . import api, parse
+from . import api, jit, parse
 from .backends import registry
 from .config import get_backend
 from .errors import FiaUnsupportedError
@@ -38,6 +38,7 @@ class DispatchReport:
     forced: Optional[str] = None
     error: Optional[str] = None
     details: Optional[str] = None    # how the selected backend would run it (e.g. its kernels on this CPU)
+    tier: Optional[str] = None       # the state of the compiled kernels the best backend needs (fia.jit)
 
     @property
     def supported(self) -> bool:
@@ -63,6 +64,8 @@ class DispatchReport:
                     lines.append(f"    {self.details}")
             else:
                 lines.append(f"  {name}: " + "; ".join(why))
+        if self.tier:
+            lines.append(f"compiled kernels: {self.tier}")
         return "\n".join(lines)
 
 
@@ -86,13 +89,21 @@ def explain_problem(problem) -> DispatchReport:
     reasons = registry.explain(problem)
     forced = get_backend()
     details = None
+    tier = None
     try:
         backend = registry.select(problem)
         selected, error = backend.name, None
-        details = backend.describe(problem)
+        best = backend if forced else registry.best(problem)
+        sets = best.kernel_sets(problem)
+        if sets:
+            tier = "; ".join(jit.describe(n) for n in sets)
+            if best is not backend:
+                tier += f"; running on the {backend.name} backend until then"
+        if jit.ready(backend.kernel_sets(problem)):        # (describing may run kernels: only loaded ones)
+            details = backend.describe(problem)
     except FiaUnsupportedError as e:
         selected, error = None, str(e)
-    return DispatchReport(problem.api, _summary(problem), selected, reasons, forced, error, details)
+    return DispatchReport(problem.api, _summary(problem), selected, reasons, forced, error, details, tier)
 
 
 def explain(query, key, value, **kwargs) -> DispatchReport:

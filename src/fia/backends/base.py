@@ -38,6 +38,11 @@ class Backend:
         forced with fia.use_backend still runs every problem it supports."""
         return self.priority
 
+    def kernel_sets(self, p: AttentionProblem) -> Tuple[str, ...]:
+        """The compiled kernel sets (fia.jit.KERNEL_SETS) running p needs; () for a backend that compiles
+        nothing. While they are not loaded, automatic selection runs p on the best backend whose sets are."""
+        return ()
+
     def describe(self, p: AttentionProblem) -> Optional[str]:
         """How this backend would run p (e.g. the kernels it picks on this CPU), for fia.explain; None: no
         more to say than its name. Only called for a problem it supports."""

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from typing import Dict, List
 
-from ..config import get_backend
+from .. import jit
+from ..config import get_backend, use_backend
 from ..errors import FiaBackendUnavailable, FiaUnsupportedError
 from ..spec.problem import AttentionProblem
 from .base import Backend
@@ -38,21 +39,40 @@ _MAX_CHOICES = 256
 
 
 def select(p: AttentionProblem) -> Backend:
-    """The backend that runs p: the forced one (fia.use_backend), else the most preferred able one.
+    """The backend that runs p: the forced one (fia.use_backend), else the most preferred able one -- or, while
+    that one's compiled kernels are not loaded, the best able one whose are (fia.jit tiers).
 
     Backends decide from the problem's metadata only (Backend.not_supported_reasons), so the choice is
-    memoized per parse-memo key (~6 us of issue 7's small call); problems parsed without the memo decide
-    every time."""
+    memoized per parse-memo key; problems parsed without the memo decide every time."""
     if p.memo_key is None:
-        return _select(p)
-    key = (p.memo_key, get_backend(), tuple(_BACKENDS))
-    b = _CHOICES.get(key)
-    if b is None:
         b = _select(p)
-        if len(_CHOICES) >= _MAX_CHOICES:
-            _CHOICES.clear()
-        _CHOICES[key] = b
+    else:
+        key = (p.memo_key, get_backend(), tuple(_BACKENDS))
+        b = _CHOICES.get(key)
+        if b is None:
+            b = _select(p)
+            if len(_CHOICES) >= _MAX_CHOICES:
+                _CHOICES.clear()
+            _CHOICES[key] = b
+    sets = b.kernel_sets(p)
+    if sets and get_backend() is None and not jit.ready(sets):
+        return tier(p, b, sets)
     return b
+
+
+def best(p: AttentionProblem) -> Backend:
+    """The backend automatic selection prefers for p, whether or not its kernels are loaded yet."""
+    with use_backend(None):
+        return _select(p)
+
+
+def tier(p: AttentionProblem, best: Backend, sets) -> Backend:
+    """While `best`'s kernel sets are not loaded: start their build (FIA_JIT=background) and pick the best able
+    backend whose kernels are ready (the torch backend; the reference needs none)."""
+    jit.request(sets)
+    able = [b for b in _BACKENDS if b is not best and not b.not_supported_reasons(p)
+            and jit.ready(b.kernel_sets(p))]
+    return max(able, key=lambda b: b.preference(p))
 
 
 def _select(p: AttentionProblem) -> Backend:
@@ -77,3 +97,4 @@ def _select(p: AttentionProblem) -> Backend:
 
 from .prefill import PrefillBackend as _Prefill; register(_Prefill())  # noqa: E402,E702  issue 8: fast CPU prefill
 from .decode import DecodeBackend as _Decode; register(_Decode())  # noqa: E402,E702  issue 7: fast CPU decode
+from .torch_backend import TorchBackend as _Torch; register(_Torch())  # noqa: E402,E702  torch ops, any device

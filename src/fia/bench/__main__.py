@@ -8,6 +8,7 @@
   --repeats N      timed calls per implementation (default 10, quick 3; fewer when a call is slow)
   --list           print the case names and exit
   --demo           run the paged-KV decode loop of the README (fia.bench.demo) and exit
+  --cold           cold start per call family: fresh processes with empty kernel caches (fia.bench.cold)
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--list", action="store_true", help="list the selected cases and exit")
     p.add_argument("--demo", action="store_true", help="run the paged-KV decode demo and exit")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--cold", action="store_true", help="cold start: time to first answer and to warm speed")
     return p.parse_args(argv)
 
 
@@ -34,6 +36,10 @@ def main(argv=None) -> int:
     if args.demo:
         from .demo import demo
         demo()
+        return 0
+    if args.cold:
+        from .cold import main as cold
+        cold()
         return 0
     from . import cases as C
     table = C.quick_table() if args.quick else C.full_table()
