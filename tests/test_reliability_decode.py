@@ -59,12 +59,12 @@ def run32(be, q, k, v, **kw):
     return r.out.to(F32), r.lse
 
 
-def both(q, k, v, mode="strict", **kw):
-    """{backend: (out, lse)} of the public call under decode and reference."""
+def both(q, k, v, mode="strict", be="decode", **kw):
+    """{backend: (out, lse)} of the public call under `be` (stored as "fast") and reference."""
     r = {}
-    for be in ("decode", "reference"):
-        with fia.validation_mode(mode), fia.use_backend(be):
-            r[be] = fia.npu_fused_infer_attention_score(q, k, v, **kw)
+    for name in (be, "reference"):
+        with fia.validation_mode(mode), fia.use_backend(name):
+            r["fast" if name == be else name] = fia.npu_fused_infer_attention_score(q, k, v, **kw)
     return r
 
 
@@ -124,7 +124,7 @@ def test_int8_query_outlier_within_two_fp16_ulp(dt, mode, outlier):
     assert lerr.max().item() <= 2e-4
     if dt == F16:
         r = both(*args, **kw)
-        o16, r16 = r["decode"][0].double(), r["reference"][0].double()
+        o16, r16 = r["fast"][0].double(), r["reference"][0].double()
         assert (o16 - r16).abs().max().item() <= 2 * ulp16(r16.abs().max().item())
 
 
@@ -270,7 +270,10 @@ def test_long_sequence_does_not_drift(dt):
 
 
 # ---------------------------------------------------------------------------------------------- IEEE specials
-def test_infinite_per_channel_value_scale():
+FAST = ["decode", "torch"]      # backends whose arithmetic departs from the reference (both() stores theirs as r["fast"])
+
+@pytest.mark.parametrize("be", FAST)
+def test_infinite_per_channel_value_scale(be):
     """A per-channel value scale of +inf: the reference dequantizes element by element, so an int8 value 0 gives
     inf * 0 = NaN (and +inf with -inf: NaN), a channel of nonzero values of one sign +-inf; decode agrees (it
     folds finite scales out of the loop, these not)."""
@@ -287,14 +290,15 @@ def test_infinite_per_channel_value_scale():
     kw = dict(num_heads=n, num_key_value_heads=kvn, input_layout="BNSD", scale=1 / math.sqrt(d), softmax_lse_flag=True,
               key_antiquant_scale=(torch.rand(1, kvn, 1, d, generator=g) * 0.02 + 0.004).to(F16),
               value_antiquant_scale=vs, key_antiquant_mode=0, value_antiquant_mode=0)
-    r = both(q, k, v, **kw)
+    r = both(q, k, v, be=be, **kw)
     assert torch.isnan(r["reference"][0][:, :2, :, 4]).all()              # the zero: NaN
-    same_specials(r["decode"][0], r["reference"][0])
-    same_specials(r["decode"][1], r["reference"][1])
+    same_specials(r["fast"][0], r["reference"][0])
+    same_specials(r["fast"][1], r["reference"][1])
 
 
+@pytest.mark.parametrize("be", FAST)
 @pytest.mark.parametrize("which", ["key", "value", "both"])
-def test_huge_per_token_scale(which):
+def test_huge_per_token_scale(which, be):
     """A per-token scale of 3.4e38 on one token: the reference's dequantized row overflows element by element
     (+-inf, NaN where they meet in the dot product); decode computes such tokens as it does and agrees, instead of a
     score that is one large finite (or one-signed infinite) number which zeroes the other tokens' weights."""
@@ -311,7 +315,7 @@ def test_huge_per_token_scale(which):
         vs[0, 1, 210] = 3.4e38
     kw = dict(num_heads=n, num_key_value_heads=kvn, input_layout="BNSD", scale=1 / math.sqrt(d), softmax_lse_flag=True,
               key_antiquant_scale=ks, value_antiquant_scale=vs, key_antiquant_mode=1, value_antiquant_mode=1)
-    od, ld = run32("decode", q, k, v, **kw)
+    od, ld = run32(be, q, k, v, **kw)
     orf, lr = run32("reference", q, k, v, **kw)
     same_specials(od, orf)
     same_specials(ld, lr)
@@ -319,7 +323,8 @@ def test_huge_per_token_scale(which):
         assert torch.isfinite(od[1]).all()
 
 
-def test_huge_bf16_value():
+@pytest.mark.parametrize("be", FAST)
+def test_huge_bf16_value(be):
     """bf16 V near float32's maximum (2e38 - 3.3e38, both signs): the weighted sum is normalized before it could
     overflow, so the output is the reference's (within 2 fp16 ulps), not inf."""
     g = gen("huge-v")
@@ -330,15 +335,16 @@ def test_huge_bf16_value():
     v = (v * torch.where(torch.rand(b, kvn, s, d, generator=g) < 0.3, -1.0, 1.0)).to(BF16)
     v[0, 0] = torch.tensor(3e38).to(BF16)                    # a head of V all 3e38
     kw = dict(num_heads=n, num_key_value_heads=kvn, input_layout="BNSD", scale=1 / math.sqrt(d), softmax_lse_flag=True)
-    od, _ = run32("decode", q, k, v, **kw)
+    od, _ = run32(be, q, k, v, **kw)
     orf, _ = run32("reference", q, k, v, **kw)
     assert torch.isfinite(orf).all() and torch.isfinite(od).all()
     same_specials(od, orf)
-    r = both(q, k, v, **kw)
-    assert torch.equal(r["decode"][0][0, :2], r["reference"][0][0, :2])     # 3.0041e38 exactly, not inf
+    r = both(q, k, v, be=be, **kw)
+    assert torch.equal(r["fast"][0][0, :2], r["reference"][0][0, :2])     # 3.0041e38 exactly, not inf
 
 
-def test_head_dim_zero_lse():
+@pytest.mark.parametrize("be", FAST)
+def test_head_dim_zero_lse(be):
     """Portable mode, D = 0: every score is 0, so the lse of a row is log(its keys) -- the reference's -- and the
     output is empty."""
     b, n, kvn, s = 2, 4, 2, 9
@@ -346,7 +352,7 @@ def test_head_dim_zero_lse():
     k = torch.zeros(b, kvn, s, 0, dtype=F16)
     kw = dict(num_heads=n, num_key_value_heads=kvn, input_layout="BNSD", softmax_lse_flag=True,
               actual_seq_lengths_kv=[9, 4])
-    r = both(q, k, k, mode="portable", **kw)
-    assert r["decode"][0].shape == r["reference"][0].shape and r["decode"][0].numel() == 0
-    assert torch.allclose(r["decode"][1], r["reference"][1])
-    assert torch.allclose(r["decode"][1][1].flatten(), torch.full((n,), math.log(4.0)))
+    r = both(q, k, k, mode="portable", be=be, **kw)
+    assert r["fast"][0].shape == r["reference"][0].shape and r["fast"][0].numel() == 0
+    assert torch.allclose(r["fast"][1], r["reference"][1])
+    assert torch.allclose(r["fast"][1][1].flatten(), torch.full((n,), math.log(4.0)))

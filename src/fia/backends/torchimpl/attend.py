@@ -72,6 +72,12 @@ def _scores(p: AttentionProblem, grp: Group, qb: torch.Tensor, k: torch.Tensor, 
     return s, pad, hidden
 
 
+def _grouped(x: torch.Tensor, kv_n: int) -> torch.Tensor:
+    """[Bg, N, R, D] -> [Bg, KV_N, G*R, D] (heads n = h*G + i), explicit sizes: D may be 0."""
+    bg, n, r, d = x.shape
+    return x.reshape(bg, kv_n, (n // kv_n) * r, d)
+
+
 def _live(hidden: Optional[torch.Tensor], bg: int, R: int, dev) -> torch.Tensor:
     """[Bg, R] rows of a tile with a key neither masked nor padding."""
     if hidden is None:
@@ -80,7 +86,8 @@ def _live(hidden: Optional[torch.Tensor], bg: int, R: int, dev) -> torch.Tensor:
 
 
 class _Row:
-    """Online state of one query row block: m, l [Bg, N, R]; acc [Bg, N, R, Dv]; alive [Bg, R]."""
+    """Online state of one query row block: m, l [Bg, N, R]; acc [Bg, N, R, Dv] (normalized: the weighted mean of
+    the values so far, so it never overflows where the values do not); alive [Bg, R]."""
     __slots__ = ("m", "l", "acc", "alive")
 
     def __init__(self):
@@ -95,14 +102,19 @@ def _fold(row: _Row, s: torch.Tensor, v: Optional[torch.Tensor], pad: bool, kv_n
     ms = m_new.masked_fill(m_new == _NEG_INF, 0.0) if pad else m_new      # rows with only padding so far
     s.sub_(ms[..., None]).exp_()
     ls = s.sum(dim=-1)
-    pv = None if v is None else torch.matmul(s.view(bg, kv_n, -1, C), v).view(bg, n, R, v.shape[-1])
+    pv = None
+    if v is not None:                                                     # the tile's weighted mean of V
+        s.div_(torch.where(ls > 0, ls, 1.0)[..., None])
+        pv = torch.matmul(s.view(bg, kv_n, -1, C), v).view(bg, n, R, v.shape[-1])
     if row.m is None:
         row.l, row.acc = ls, pv
     else:
         alpha = torch.exp(row.m - ms)                                     # 0 where the old max was -inf
-        row.l = row.l.mul_(alpha).add_(ls)
-        if pv is not None:
-            row.acc = row.acc.mul_(alpha[..., None]).add_(pv)
+        old = row.l.mul_(alpha)
+        row.l = old + ls
+        if pv is not None:                                                # means merged by their weights (<= 1)
+            tot = torch.where(row.l > 0, row.l, 1.0)
+            row.acc = row.acc.mul_((old / tot)[..., None]).add_(pv.mul_((ls / tot)[..., None]))
     row.m = m_new
 
 
@@ -129,7 +141,7 @@ def _online(p: AttentionProblem, grp: Group, q: torch.Tensor, reader, tiling: Ti
     bg, n, kv_n, S1, dq = grp.Bg, p.N, p.KV_N, grp.S1, q.shape[-1]
     block = p.kv.block_size if p.kv.kind == "paged" else 0
     C, R = chunk_sizes(grp, n, kv_n, dq, p.Dv, block, tiling.kv_elems, tiling.score_elems, tiling.max_chunk)
-    qbs = [q[:, :, r0:r0 + R].reshape(bg, kv_n, -1, dq).to(mm) for r0 in range(0, S1, R)]  # [Bg, KV_N, G*R, Dq]
+    qbs = [_grouped(q[:, :, r0:r0 + R], kv_n).to(mm) for r0 in range(0, S1, R)]   # [Bg, KV_N, G*R, Dq]
     rows = [_Row() for _ in qbs]
     for c0, c1, work in _tiles(grp, C, R, skip_ok):
         k = reader.read("key", c0, c1)                                    # [Bg, KV_N, C, Dq]
@@ -181,7 +193,7 @@ def _rows(p: AttentionProblem, grp: Group, q: torch.Tensor, reader, tiling: Tili
     bg, n, kv_n, S1, S2, dq = grp.Bg, p.N, p.KV_N, grp.S1, grp.S2, q.shape[-1]
     C = max(16, min(S2, tiling.kv_elems // max(1, bg * kv_n * max(dq, p.Dv))))
     chunks = [(c0, min(c0 + C, S2)) for c0 in range(0, S2, C)]
-    qb = q.reshape(bg, kv_n, -1, dq).to(mm)                               # [Bg, KV_N, G*S1, Dq]
+    qb = _grouped(q, kv_n).to(mm)                                         # [Bg, KV_N, G*S1, Dq]
     gr = qb.shape[2]
     buf = torch.empty((len(chunks), bg, kv_n, gr, C), dtype=cd, device=dev)   # scores, chunk-major
     states = [grp.tile_states(0, S1, c0, c1) for c0, c1 in chunks]
@@ -219,6 +231,8 @@ def _rows(p: AttentionProblem, grp: Group, q: torch.Tensor, reader, tiling: Tili
     l = sv.sum(dim=(0, 4))                                                # [Bg, N, S1]
     if p.sink is not None and not int8:
         l = l + torch.exp(p.sink.to(cd)[None, :, None] - ms)
+    if not int8:                                                          # probabilities before P·V, as the
+        sv.div_(l[None, ..., None])                                       # reference: no overflow of sum(e·v)
     acc = torch.zeros((bg, kv_n, gr, p.Dv), dtype=mm, device=dev)
     for i, (c0, c1) in enumerate(chunks):
         if skip[i]:
@@ -228,7 +242,8 @@ def _rows(p: AttentionProblem, grp: Group, q: torch.Tensor, reader, tiling: Tili
         if int8:
             acc.add_(_pv_int8(p, e.view(bg, n, S1, c1 - c0), l, v, kv_n).view(bg, kv_n, gr, p.Dv))
         else:
-            acc.view(-1, gr, p.Dv).baddbmm_(e.reshape(-1, gr, c1 - c0), v.reshape(-1, c1 - c0, p.Dv))
+            acc.view(bg * kv_n, gr, p.Dv).baddbmm_(e.reshape(bg * kv_n, gr, c1 - c0),
+                                                   v.reshape(bg * kv_n, c1 - c0, p.Dv))
     return acc.view(bg, n, S1, p.Dv), l, m, alive
 
 
@@ -247,15 +262,16 @@ def run_group(p: AttentionProblem, grp: Group, tiling: Tiling) -> Tuple[torch.Te
     acc, l, m, alive = (_rows if rows else _online)(p, grp, q, reader, tiling, mm, skip_ok, track_alive)
     if int8:
         out = acc.to(torch.float32) * p.full_quant.dequant_scale2
-    else:
+    else:                                                                 # acc: already the weighted mean
         if p.sink is not None and not rows:                               # one extra column, no value (SPEC 1.1b)
             sk = p.sink.to(cd)[None, :, None]                             # [1, N, 1]
             mf = torch.maximum(m, sk)
             a = torch.exp(m - mf)
-            l = l * a + torch.exp(sk - mf)
-            acc = acc * a[..., None]
+            kept = l * a
+            l = kept + torch.exp(sk - mf)
+            acc = acc * (kept / l)[..., None]
             m = mf
-        out = acc.div_(l[..., None]) if acc.dtype == cd else acc / l[..., None]
+        out = acc if acc.dtype == cd else acc.to(cd)
     lse = m + torch.log(l)
 
     drop = grp.band_dead()                                                # [Bg, S1] or None
