@@ -176,3 +176,18 @@ def test_random_user_mask_and_pse(scale, dtype, kernel):
     _, _, _, rlse = _check(kw, dtype)
     if abs(scale) >= 1e30:
         assert (rlse < -1e11).any()
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=str)
+@pytest.mark.parametrize("mode", MODES)
+def test_values_near_the_float32_maximum(mode, dtype, kernel):
+    """V of 2e38 - 3.3e38 (both signs): the fused kernels' sums of weights x values would overflow; V is scaled by
+    a power of two around them, so the output is the reference's (which normalizes first), not inf."""
+    kw = _call(dtype, 0.088, mode, seed_of("huge-v", mode, str(dtype)))
+    g = gen(seed_of("huge-v-values", mode))
+    v = kw["value"]
+    big = (torch.rand(v.shape, generator=g, dtype=torch.float64) * 1.3e38 + 2e38)
+    big = big * torch.where(torch.rand(v.shape, generator=g) < 0.3, -1.0, 1.0)
+    kw["value"] = torch.where(torch.isnan(v), v.double(), big).to(dtype)          # the NaN padding kept
+    out, _, rout, _ = _check(kw, dtype)
+    assert torch.isfinite(rout).all() and torch.isfinite(out).all()

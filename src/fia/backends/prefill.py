@@ -56,13 +56,35 @@ _aten_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 def _flash(q, k, v, dropout: float, is_causal: bool, attn_mask=None, scale=None):
     """One fused-kernel call (ATen's contract, see the module doc): FIA's own kernel where it applies
     (prefill_flash.eligible), else ATen's CPU flash kernel."""
+    v, e = _tame(v)
     if prefill_flash.eligible(q, k, v, attn_mask):
-        return prefill_flash.flash(q, k, v, is_causal, attn_mask, scale)
+        o, l = prefill_flash.flash(q, k, v, is_causal, attn_mask, scale)
+        return _untame(o, e), l
     if is_causal and scale is not None and scale <= 0:
         # ATen fills the causal -inf before scaling (-inf * 0 = NaN, -inf * -s = +inf): fold the sign into q,
         # exact in every dtype; scale 0 is an all-zero score matrix (uniform weights)
         q, scale = (torch.zeros_like(q), 1.0) if scale == 0 else (-q, -scale)
-    return _aten_flash(q, k, v, dropout, is_causal, attn_mask=attn_mask, scale=scale)
+    o, l = _aten_flash(q, k, v, dropout, is_causal, attn_mask=attn_mask, scale=scale)
+    return _untame(o, e), l
+
+
+_V_SAFE = 2.0 ** 100     # |V| below this: the kernels' sums of weights x values stay far from float32's maximum
+
+
+def _tame(v: torch.Tensor):
+    """The fused kernels sum unnormalized weights x values, which overflow for V near float32's maximum (the
+    reference normalizes first): such a V is scaled by a power of two (exact) -> (v, exponent to restore)."""
+    if v.dtype == torch.float64 or v.numel() == 0:
+        return v, 0
+    vmax = float(v.abs().amax())
+    if not vmax > _V_SAFE or math.isinf(vmax):
+        return v, 0
+    e = math.frexp(vmax)[1]
+    return v * 2.0 ** -e, e
+
+
+def _untame(o: torch.Tensor, e: int) -> torch.Tensor:
+    return o if e == 0 else o * 2.0 ** (e // 2) * 2.0 ** (e - e // 2)    # (2^e alone may not fit o's dtype)
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _NEG_INF = float("-inf")
@@ -178,8 +200,10 @@ class PrefillBackend(Backend):
             # the own kernel takes the band as geometry, reads the user mask in place and takes Dv != D: one
             # call for the whole window, keys outside the band and fully user-masked tiles never computed, no
             # mask tiles, no padded head dims
-            o, l = prefill_flash.flash(q[None], k[None], v[None], False, bias, p.scale, band=band,
+            vt, e = _tame(v)
+            o, l = prefill_flash.flash(q[None], k[None], vt[None], False, bias, p.scale, band=band,
                                        user_mask=um)                  # [1, N, S1, Dv], [1, N, S1]
+            o = _untame(o, e)
             o, l = _fill_rows(0, s1, band, s2, o[0], l[0], um, vd)
             o, l = _special_rows(p, BlockPlan(0, s1), band, s2, o, l, vmean, um is not None)
             _write(p, b, g, 0, s1, o, l, out, lse)
