@@ -60,7 +60,7 @@ def test_background_build_then_load_without_compiling(tmp_path):
     r = _child(WAIT_AND_USE, str(tmp_path / "cache"))
     assert r["first"] is False and r["ok"] is True and r["val"] == 4.0
     assert r["misses"] == 0 and r["hits"] == 1                     # loaded from the child's build, not compiled
-    assert r["describe"] == "toy kernels loaded"
+    assert r["describe"] == "toy kernels compiled (in the cache)"
     again = _child("print(json.dumps(dict(ready=jit.ready(['toy']))))", str(tmp_path / "cache"))
     assert again["ready"] is True                                   # a later process finds the cache
 

@@ -99,7 +99,7 @@ def explain_problem(problem) -> DispatchReport:
             tier = "; ".join(jit.describe(n) for n in sets)
             if best is not backend:
                 tier += f"; running on the {backend.name} backend until then"
-        if jit.ready(backend.kernel_sets(problem)):        # (describing may run kernels: only loaded ones)
+        if jit.ready(backend.kernel_sets(problem)):        # (describing may run kernels: only compiled ones)
             details = backend.describe(problem)
     except FiaUnsupportedError as e:
         selected, error = None, str(e)

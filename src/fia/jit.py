@@ -5,7 +5,7 @@ on-disk cache already holds them (a minute or two on a small machine). A *kernel
 points one backend calls from Python (`KERNEL_SETS`); each set is compiled as a whole: the kernels are
 monomorphic, so one build serves every call of its backend.
 
-`FIA_JIT` chooses what a call does when the kernels it would run are not loaded yet:
+`FIA_JIT` chooses what a call does when the kernels it would run are not compiled yet:
 
 * ``background`` (default): the call runs on the next backend down whose kernels are ready (the torch backend:
   vectorized torch ops, no compiler), and a child process compiles the set into the shared on-disk cache, at a
@@ -102,14 +102,14 @@ class _Build:
         self.failed: Optional[str] = None
 
 
-_READY: set = set()                   # sets whose every entry is loaded in this process
+_READY: set = set()                   # sets whose every entry runs without compiling (see load)
 _BUILDS: Dict[str, _Build] = {}
 _LOCK = threading.Lock()
 _logged = False
 
 
 def ready(names: Iterable[str]) -> bool:
-    """Whether every set in `names` is loaded (loading it from the cache when it is there). Cheap once ready."""
+    """Whether every set in `names` runs without compiling (checking the on-disk cache). Cheap once ready."""
     for n in names:
         if n not in _READY and not _refresh(n):
             return False
@@ -138,43 +138,33 @@ def _refresh(name: str) -> bool:
 
 
 def load(ks: KernelSet) -> bool:
-    """Load every entry of ks from Numba's on-disk cache without compiling; True when all are loaded."""
+    """Whether every entry of ks can run without compiling: compiled in this process, or in Numba's on-disk
+    cache for this CPU and source (index entry and data file present; Numba then loads only the specializations
+    a call uses, when it first runs them)."""
     try:
         from numba.core.compiler_lock import global_compiler_lock
         disps = ks.dispatchers()
     except Exception:                                              # numba missing or broken: never ready
         return False
     with global_compiler_lock:
-        return all(_load_one(d) for d in disps)
+        return all(_cached(d) for d in disps)
 
 
-def _load_one(disp) -> bool:
-    """Load every cached specialization of disp for this CPU and source; True when it has at least one."""
+def _cached(disp) -> bool:
+    if disp.signatures:
+        return True
     cache = getattr(disp, "_cache", None)
-    index_of = getattr(getattr(cache, "_cache_file", None), "_load_index", None)
-    if index_of is None:                                           # caching disabled (NullCache)
+    cf = getattr(cache, "_cache_file", None)
+    if cf is None or not hasattr(cf, "_load_index"):               # caching disabled (NullCache)
         return False
     codegen = disp.targetctx.codegen()
     try:
-        keys = list(index_of())
+        index = cf._load_index()                                   # {} when stale (another source or numba)
+        # data files are written under a temporary name and renamed: present means complete
+        return any(cache._index_key(key[0], codegen) == key and os.path.exists(cf._data_path(name))
+                   for key, name in index.items())
     except Exception:                                              # an unreadable index: rebuild
         return False
-    have = {tuple(s) for s in disp.signatures}
-    for key in keys:
-        sig = key[0]
-        if tuple(sig) in have or cache._index_key(sig, codegen) != key:   # loaded, or another CPU's / source's
-            continue
-        try:                                                       # what Dispatcher.compile does on a cache hit
-            cres = cache.load_overload(sig, disp.targetctx)
-            if cres is None:
-                continue
-            disp._cache_hits[sig] += 1
-            if not cres.objectmode:
-                disp.targetctx.insert_user_function(cres.entry_point, cres.fndesc, [cres.library])
-            disp.add_overload(cres)
-        except Exception:
-            continue
-    return bool(disp.signatures)
 
 
 def request(names: Iterable[str]) -> None:
@@ -213,7 +203,7 @@ def _start(name: str) -> _Build:
 def describe(name: str) -> str:
     """This process's state of a set, for fia.explain."""
     if name in _READY:
-        return f"{name} kernels loaded"
+        return f"{name} kernels compiled (in the cache)"
     b = _BUILDS.get(name)
     if b is None:
         m = mode()
@@ -245,7 +235,7 @@ def wait(names: Iterable[str], timeout: float = 600.0) -> bool:
 
 
 def _forget() -> None:
-    """(tests) forget this process's builds and loaded state."""
+    """(tests) forget this process's builds and ready sets."""
     with _LOCK:
         _READY.clear()
         _BUILDS.clear()

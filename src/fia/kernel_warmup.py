@@ -137,6 +137,6 @@ def warmup(sets: Optional[List[str]] = None, *, progress: bool = True) -> Dict[s
         jit._READY.add(name)
         done[name] = time.perf_counter() - t0
         if progress:
-            print(f"      {name}: {'loaded' if cached else 'compiled'} in {done[name]:.1f} s", file=sys.stderr,
+            print(f"      {name}: {'found in the cache' if cached else 'compiled'} in {done[name]:.1f} s", file=sys.stderr,
                   flush=True)
     return done
