@@ -2,6 +2,7 @@
 and the tier switch of automatic backend selection. Each case runs in a child process with its own Numba cache
 folder (Numba reads NUMBA_CACHE_DIR at import), on a toy kernel set (tests/jit_toy) or, for the switch, the
 decode backend itself."""
+import inspect
 import json
 import os
 import shutil
@@ -10,6 +11,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -145,3 +147,27 @@ def test_first_decode_call_runs_on_the_torch_backend_while_decode_builds(tmp_pat
     assert r["first"] < 30                                            # no compiler in the call (import aside)
     assert "backend: torch" in r["rep"] and "being built in the background" in r["rep"], r["rep"]
     assert r["alive"]
+
+
+@pytest.mark.parametrize("kv,d,generic", [(torch.bfloat16, 128, False), (torch.float16, 64, False),
+                                          (torch.int8, 128, False), (torch.float32, 128, True),
+                                          (torch.bfloat16, 72, True)], ids=str)
+def test_decode_asks_for_the_generic_build_only_where_it_runs_it(kv, d, generic):
+    """The generic float32 loops (about half the decode build) are their own kernel set: a call needs them only for
+    K / V the IR kernels do not cover -- decided from metadata as the launch decides it per source."""
+    import fia
+    from fia import parse
+    from fia.backends import registry
+    q = torch.randn(2, 4, 1, d).to(torch.float16 if kv == torch.int8 else kv)
+    k = (torch.randint(-9, 9, (2, 2, 64, d), dtype=torch.int8) if kv == torch.int8
+         else torch.randn(2, 2, 64, d).to(kv))
+    args = dict(query=q, key=k, value=k)
+    for name, prm in inspect.signature(fia.api.npu_fused_infer_attention_score).parameters.items():
+        args.setdefault(name, prm.default)
+    args.update(num_heads=4, num_key_value_heads=2, input_layout="BNSD")
+    if kv == torch.int8:
+        args.update(antiquant_scale=torch.rand(2, 2, 1, d).to(torch.float16), antiquant_mode=0)
+    with fia.validation_mode("portable"):
+        p = parse.parse_fused(args)
+    sets = registry.by_name("decode").kernel_sets(p)
+    assert sets == (("decode", "decode-generic") if generic else ("decode",))

@@ -26,6 +26,7 @@ building the same set serialize on a lock file beside the cache, the second one 
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import os
 import subprocess
@@ -33,7 +34,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, Iterable, Optional, Tuple
+from typing import Callable, Dict, Iterable, Optional, Tuple
 
 log = logging.getLogger("fia")
 
@@ -71,6 +72,7 @@ class KernelSet:
     module: str
     entries: Tuple[str, ...]
     warmup: str
+    variant: Optional[Callable] = None   # (function, sig) -> bool: the specializations this set needs (None: any)
 
     def dispatchers(self):
         mod = importlib.import_module(self.module)
@@ -84,9 +86,18 @@ def register(ks: KernelSet) -> None:
     KERNEL_SETS[ks.name] = ks
 
 
+def _generic_items(fn, sig) -> bool:
+    """attend_items built with its generic float32 loops (its argument `generic` an array, not None)."""
+    return str(sig[list(inspect.signature(fn).parameters).index("generic")]) != "none"
+
+
 register(KernelSet("decode", "fia.backends.decode_kernels",
                    ("kernel_flags", "split_work", "fill_factors", "attend_items", "merge", "attend_merge"),
                    "fia.kernel_warmup:run_decode"))
+# float32 / int4 K or V, MLA rope, head dims not multiples of 16: attend_items' second build (about half the
+# decode build's compile time), needed by few calls
+register(KernelSet("decode-generic", "fia.backends.decode_kernels", ("attend_items",),
+                   "fia.kernel_warmup:run_decode_generic", _generic_items))
 register(KernelSet("prefill", "fia.backends.prefill_kernels", ("pack_items", "flash_items"),
                    "fia.kernel_warmup:run_prefill"))
 register(KernelSet("prefill-pse", "fia.backends.prefill_pse_kernels", ("row_stats",),
@@ -147,11 +158,15 @@ def load(ks: KernelSet) -> bool:
     except Exception:                                              # numba missing or broken: never ready
         return False
     with global_compiler_lock:
-        return all(_cached(d) for d in disps)
+        return all(_cached(d, ks.variant or _ANY) for d in disps)
 
 
-def _cached(disp) -> bool:
-    if disp.signatures:
+def _ANY(fn, sig) -> bool:
+    return True
+
+
+def _cached(disp, variant) -> bool:
+    if any(variant(disp.py_func, tuple(s)) for s in disp.signatures):
         return True
     cache = getattr(disp, "_cache", None)
     cf = getattr(cache, "_cache_file", None)
@@ -161,8 +176,8 @@ def _cached(disp) -> bool:
     try:
         index = cf._load_index()                                   # {} when stale (another source or numba)
         # data files are written under a temporary name and renamed: present means complete
-        return any(cache._index_key(key[0], codegen) == key and os.path.exists(cf._data_path(name))
-                   for key, name in index.items())
+        return any(variant(disp.py_func, tuple(key[0])) and cache._index_key(key[0], codegen) == key
+                   and os.path.exists(cf._data_path(name)) for key, name in index.items())
     except Exception:                                              # an unreadable index: rebuild
         return False
 
@@ -260,7 +275,7 @@ class _file_lock:
         try:
             folder = ks.dispatchers()[0]._cache.cache_path
             os.makedirs(folder, exist_ok=True)
-            self.path = os.path.join(folder, f"fia-build-{ks.name}.lock")
+            self.path = os.path.join(folder, f"fia-build-{ks.module}.lock")     # sets of one module: one at a time
         except Exception:
             pass
         self.f = None

@@ -20,7 +20,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 
-def _decode_calls() -> List[Callable[[], object]]:
+def _decode_calls(generic: bool = False) -> List[Callable[[], object]]:
     import fia
     g = torch.Generator().manual_seed(0)
 
@@ -47,30 +47,37 @@ def _decode_calls() -> List[Callable[[], object]]:
         calls.append(lambda: f(q, k, v, **dense))
     for n in (700, 701, 702):                                                 # a decode loop: the lengths replay
         calls.append(lambda n=n: f(q, k, v, actual_seq_lengths_kv=[n, 2 * n], **dense))
+    calls.append(lambda: fia.explain(q, k, v, **dense))                       # the kernel names
     calls.append(lambda: f(qf, k8, v8, **chan))                               # int8 factors
     calls.append(lambda: f(qf, k8, v8, **tok))                                # per-token factors
     for n in (300, 301, 302):
         calls.append(lambda n=n: f(qp, kc, vc, actual_seq_lengths_kv=[n, n + 200], **paged))
-    calls.append(lambda: f(q[..., :72].contiguous(), k[:, :, :64, :72].contiguous(),     # generic loops (D = 72)
-                           v[:, :, :64, :72].contiguous(), **dict(dense, scale=0.1)))
-    calls.append(lambda: f(q.float(), k[:, :, :64].float(), v[:, :, :64].float(), **dense))  # float32 K / V
     calls.append(lambda: f(q, k[:, :, :256], v[:, :, :256], key_shared_prefix=k[:1, :, :64],  # shared prefix
                            value_shared_prefix=v[:1, :, :64], actual_shared_prefix_len=[64], **dense))
-    calls.append(lambda: fia.explain(q, k, v, **dense))                       # the kernel names
+    if generic:                                                               # the generic loops' build
+        calls = [lambda: f(q[..., :72].contiguous(), k[:, :, :64, :72].contiguous(),    # D = 72
+                           v[:, :, :64, :72].contiguous(), **dict(dense, scale=0.1)),
+                 lambda: f(q.float(), k[:, :, :64].float(), v[:, :, :64].float(), **dense)]  # float32 K / V
     return calls
 
 
-def run_decode() -> None:
-    """Compile the decode backend's kernels (dense, lengths and paged replays, int8 factors, generic loops)."""
+def run_decode(generic: bool = False) -> None:
+    """Compile the decode backend's kernels (dense, lengths and paged replays, int8 factors, shared prefix)."""
     import fia
     before = torch.get_num_threads()
     torch.set_num_threads(max(2, before))                 # splits and their merge need two threads
     try:
         with fia.use_backend("decode"), fia.validation_mode("portable"):
-            for c in _decode_calls():
+            for c in _decode_calls(generic):
                 c()
     finally:
         torch.set_num_threads(before)
+
+
+def run_decode_generic() -> None:
+    """Compile the decode kernels' generic float32 loops (float32 / int4 K or V, MLA rope, head dims not multiples
+    of 16)."""
+    run_decode(generic=True)
 
 
 def _prefill_calls(dtypes, pse: bool) -> List[Callable[[], object]]:

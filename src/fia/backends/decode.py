@@ -62,7 +62,8 @@ _BIG = 1 << 40              # "infinite" block size of unpaged storage
 QK_STATS = np.zeros(2, np.int64)
 
 _K = None                   # the kernel module, imported lazily (numba import + cache load)
-_KERNEL_SETS = ("decode",)  # fia.jit: every call runs the one set of decode_kernels entry points
+_KERNEL_SETS = ("decode",)  # fia.jit: the decode_kernels entry points every call runs
+_KERNEL_SETS_GENERIC = ("decode", "decode-generic")
 
 
 def _kernels():
@@ -180,7 +181,14 @@ class DecodeBackend(Backend):
         return self.priority
 
     def kernel_sets(self, p: AttentionProblem):
-        return _KERNEL_SETS
+        """fia.jit: the decode set; with the generic float32 loops too where the IR kernels do not cover K / V
+        (what _Source.generic decides per source, here from the problem's metadata)."""
+        kv = p.kv
+        k, v = (kv.keys[0], kv.values[0]) if kv.kind == "list" else (kv.key, kv.value)
+        rope = getattr(kv, "key_rope", None) is not None or getattr(kv, "key_ropes", None) is not None
+        fused = (_FUSED_KIND.get(_KINDS.get(k.dtype)) and _FUSED_KIND.get(_KINDS.get(v.dtype)) and not rope
+                 and k.shape[-1] % 16 == 0 and v.shape[-1] % 16 == 0)
+        return _KERNEL_SETS if fused else _KERNEL_SETS_GENERIC
 
     def describe(self, p: AttentionProblem) -> Optional[str]:
         if p.B == 0 or p.N == 0 or p.Q_S == 0 or (p.packed and p.T == 0) or (p.Dv == 0 and not p.want_lse):
