@@ -53,8 +53,9 @@ WAIT_AND_USE = """
     ok = jit.wait(["toy"], timeout=240)
     import toy_kernels
     val = toy_kernels.twice(2.0) if ok else None
+    tw = toy_kernels.twice
     print(json.dumps(dict(first=first, ok=ok, val=val, describe=jit.describe("toy"),
-                          misses=len(toy_kernels.twice._cache_misses), hits=sum(toy_kernels.twice._cache_hits.values()))))
+                          misses=len(tw._cache_misses), hits=sum(tw._cache_hits.values()))))
 """
 
 
@@ -82,9 +83,8 @@ def test_cache_folder_that_cannot_be_written(tmp_path):
     mod.mkdir()
     (mod / "__pycache__").write_text("not a folder")
     r = _child(WAIT_AND_USE.replace("import toy_kernels\n    val = toy_kernels.twice(2.0) if ok else None",
-                                    "val = None"). replace(
-                   "misses=len(toy_kernels.twice._cache_misses), hits=sum(toy_kernels.twice._cache_hits.values())",
-                   "misses=0, hits=0"),
+                                    "val = None").replace("tw = toy_kernels.twice", "").replace(
+                   "misses=len(tw._cache_misses), hits=sum(tw._cache_hits.values())", "misses=0, hits=0"),
                str(blocker / "cache"), mod=str(mod), HOME=str(blocker), XDG_CACHE_HOME=str(blocker / "x"))
     assert r["ok"] is False and "unavailable" in r["describe"], r
 
@@ -171,3 +171,17 @@ def test_decode_asks_for_the_generic_build_only_where_it_runs_it(kv, d, generic)
         p = parse.parse_fused(args)
     sets = registry.by_name("decode").kernel_sets(p)
     assert sets == (("decode", "decode-generic") if generic else ("decode",))
+
+
+def test_warmup_command_builds_a_set_and_reports(tmp_path):
+    """`python -m fia warmup SET` compiles into the cache, shows progress and a summary; a second run finds it."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    cmd = [sys.executable, "-m", "fia", "warmup", "prefill-pse"]
+    first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "[1/1] prefill-pse kernels: compiling..." in first.stderr and "1 kernel set(s) ready" in first.stderr
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert "prefill-pse: found in the cache" in again.stderr
+    bad = subprocess.run([sys.executable, "-m", "fia", "warmup", "nosuchset"], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "unknown kernel set" in bad.stderr

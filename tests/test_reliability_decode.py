@@ -270,7 +270,7 @@ def test_long_sequence_does_not_drift(dt):
 
 
 # ---------------------------------------------------------------------------------------------- IEEE specials
-FAST = ["decode", "torch"]      # backends whose arithmetic departs from the reference (both() stores theirs as r["fast"])
+FAST = ["decode", "torch"]      # arithmetic departs from the reference's (both() stores theirs as r["fast"])
 
 @pytest.mark.parametrize("be", FAST)
 def test_infinite_per_channel_value_scale(be):

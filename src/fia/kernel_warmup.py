@@ -107,11 +107,19 @@ def run_prefill() -> None:
 
 
 def run_prefill_pse() -> None:
-    """Compile the position-bias statistics pass of the prefill backend."""
+    """Compile the position-bias statistics pass of the prefill backend (which large windows use: the
+    threshold is lowered for the small warm-up call)."""
     import fia
-    with fia.use_backend("prefill"):
-        for c in _prefill_calls([torch.bfloat16], pse=True):
-            c()
+    from .backends import registry
+    be = registry.by_name("prefill")
+    before = be.pse_skip_min
+    be.pse_skip_min = 0
+    try:
+        with fia.use_backend("prefill"):
+            for c in _prefill_calls([torch.bfloat16], pse=True):
+                c()
+    finally:
+        be.pse_skip_min = before
 
 
 def sets_for_this_cpu() -> List[str]:
@@ -144,6 +152,7 @@ def warmup(sets: Optional[List[str]] = None, *, progress: bool = True) -> Dict[s
         jit._READY.add(name)
         done[name] = time.perf_counter() - t0
         if progress:
-            print(f"      {name}: {'found in the cache' if cached else 'compiled'} in {done[name]:.1f} s", file=sys.stderr,
+            how = "found in the cache" if cached else "compiled"
+            print(f"      {name}: {how} in {done[name]:.1f} s", file=sys.stderr,
                   flush=True)
     return done

@@ -120,7 +120,8 @@ class PrefillBackend(Backend):
         """fia.jit: FIA's own flash kernel where it serves this dtype on this CPU; the pse statistics pass."""
         on = prefill_flash._ON.get(p.dtype)
         own = ("prefill",) if on is not None and on() else ()
-        return own + ("prefill-pse",) if p.pse is not None else own
+        pse = p.pse is not None and p.mask.user_mask is None and self.pse_skip and p.Q_S * p.KV_S >= self.pse_skip_min
+        return own + ("prefill-pse",) if pse else own
 
     # ------------------------------------------------------------------------------------------ run
     def run(self, p: AttentionProblem) -> BackendResult:
