@@ -53,6 +53,9 @@ def main(argv=None) -> int:
 
     import fia
     from . import machine, report, runner
+    # the compiled kernels first (the cache's, or built now with progress): the table times FIA's own kernels,
+    # not the torch backend that stands in while they build
+    fia.warmup()
     t0 = time.perf_counter()
     started = datetime.datetime.now().isoformat(timespec="seconds")
     print("measuring machine ceilings ...", flush=True)
