@@ -154,9 +154,14 @@ def _kv(x):
     return x
 
 
+def _back(op: str) -> Dict[str, str]:
+    """torch_npu keyword -> aclnn parameter of `op` (how errors name the arguments)."""
+    return {v: k for k, v in _OPS[op]}
+
+
 def _plan(op: str, a: dict, attention_out, softmax_lse) -> Tuple[int, AclOpExecutor]:
     table = dict(_OPS[op])                                 # aclnn -> torch_npu
-    back = {v: k for k, v in table.items()}                # torch_npu -> aclnn
+    back = _back(op)
     for name in ("query", "key", "value"):
         if a[name] is None:
             raise input_error(name, "a tensor" if name == "query" else "a tensor list", "None (nullptr)",
@@ -201,7 +206,7 @@ def _execute(op: str, workspace, workspace_size, executor, stream) -> int:
     executor.consumed = True
     p = executor.problem
     if p.kv.kind == "paged":                  # phase 2 reads the table as it is now, checked again
-        back = {v: k for k, v in _OPS[op]}
+        back = _back(op)
         try:
             p = dataclasses.replace(p, kv=parse.reread_table(Ctx(op, is_strict(), back), p.kv))
         except FiaError as e:

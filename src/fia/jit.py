@@ -115,6 +115,7 @@ class _Build:
 
 _READY: set = set()                   # sets whose every entry runs without compiling (see load)
 _BUILDS: Dict[str, _Build] = {}
+_NEXT_CHECK: Dict[str, float] = {}    # set -> when its cache may be read again (no build in flight)
 _LOCK = threading.Lock()
 _logged = False
 
@@ -136,9 +137,13 @@ def _refresh(name: str) -> bool:
         b = _BUILDS.get(name)
         if b is not None and (b.failed or (b.proc is not None and b.proc.poll() is None)):
             return False                                           # failed, or still building
+        now = time.time()
+        if b is None and now < _NEXT_CHECK.get(name, 0.0):         # nothing building (FIA_JIT=off): the cache's
+            return False                                           # index is read at most once a second
         if load(KERNEL_SETS[name]):
             _READY.add(name)
             return True
+        _NEXT_CHECK[name] = now + 1.0
         if b is not None and b.proc is not None:                   # the child ended without a loadable result
             code = b.proc.returncode
             b.failed = (f"the build process exited with status {code}" if code else
@@ -254,6 +259,7 @@ def _forget() -> None:
     with _LOCK:
         _READY.clear()
         _BUILDS.clear()
+        _NEXT_CHECK.clear()
 
 
 # ---------------------------------------------------------------------------------------------- the child
@@ -266,7 +272,11 @@ def build(name: str) -> int:
             return 0
         mod, fn = ks.warmup.split(":")
         getattr(importlib.import_module(mod), fn)()
-    return 0 if all(d.signatures for d in ks.dispatchers()) else 3
+    if not all(d.signatures for d in ks.dispatchers()):
+        return 3
+    with _LOCK:
+        _READY.add(name)                               # compiled in this process
+    return 0
 
 
 class _file_lock:

@@ -149,7 +149,6 @@ def warmup(sets: Optional[List[str]] = None, *, progress: bool = True) -> Dict[s
             code = jit.build(name)
             if code:
                 raise RuntimeError(f"fia.warmup: the {name} kernels did not all compile (status {code})")
-        jit._READY.add(name)
         done[name] = time.perf_counter() - t0
         if progress:
             how = "found in the cache" if cached else "compiled"

@@ -48,11 +48,12 @@ class Backend:
         more to say than its name. Only called for a problem it supports."""
         return None
 
-    def memory_need(self, p: AttentionProblem) -> List[Tuple[str, int]]:
+    def memory_need(self, p: AttentionProblem) -> List[Tuple[object, int]]:
         """(what, bytes) of the largest buffers running p allocates at once: by default the canonical output in
-        float32 and the returned one (finalize converts it). A backend with larger working buffers adds them."""
+        float32 and the returned one (finalize converts it). A backend with larger working buffers adds them.
+        `what` is a name or a function making it (named only when the call does not fit: this runs every call)."""
         out = math.prod(p.out_shape()) * 4
-        return [(f"attention_out {list(p.out_shape())} float32", out), ("the returned attention_out", out)]
+        return [(lambda: f"attention_out {list(p.out_shape())} float32", out), ("the returned attention_out", out)]
 
     def run(self, p: AttentionProblem) -> BackendResult:  # pragma: no cover - interface
         raise NotImplementedError
@@ -73,6 +74,7 @@ def run_inference(backend: Backend, p: AttentionProblem) -> BackendResult:
             avail = available_memory()
             if avail is not None and total > avail:
                 what, big = max(need, key=lambda x: x[1])
+                what = what() if callable(what) else what
                 raise FiaMemoryError(
                     f"{backend.name} backend: this call needs {total / 2**30:.1f} GiB of working memory, more than "
                     f"the {avail / 2**30:.1f} GiB available; the largest part is {what}: {big / 2**30:.1f} GiB",

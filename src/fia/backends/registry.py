@@ -34,30 +34,37 @@ def explain(p: AttentionProblem) -> Dict[str, List[str]]:
     return {b.name: b.not_supported_reasons(p) for b in _BACKENDS}
 
 
-_CHOICES: Dict[tuple, Backend] = {}   # (memo_key, forced backend, backends) -> the choice
+_CHOICES: Dict[tuple, tuple] = {}   # (memo_key, forced backend, backends) -> (the choice, its kernel sets)
 _MAX_CHOICES = 256
 
 
 def select(p: AttentionProblem) -> Backend:
     """The backend that runs p: the forced one (fia.use_backend), else the most preferred able one -- or, while
-    that one's compiled kernels are not loaded, the best able one whose are (fia.jit tiers).
+    that one's compiled kernels are not built, the best able one whose are (fia.jit tiers).
 
-    Backends decide from the problem's metadata only (Backend.not_supported_reasons), so the choice is
-    memoized per parse-memo key; problems parsed without the memo decide every time."""
+    Backends decide from the problem's metadata only (Backend.not_supported_reasons, kernel_sets), so the
+    choice is memoized per parse-memo key; problems parsed without the memo decide every time."""
+    forced = get_backend()
     if p.memo_key is None:
-        b = _select(p)
+        b, sets = _choice(p, forced)
     else:
-        key = (p.memo_key, get_backend(), tuple(_BACKENDS))
-        b = _CHOICES.get(key)
-        if b is None:
-            b = _select(p)
+        key = (p.memo_key, forced, tuple(_BACKENDS))
+        c = _CHOICES.get(key)
+        if c is None:
+            c = _choice(p, forced)
             if len(_CHOICES) >= _MAX_CHOICES:
                 _CHOICES.clear()
-            _CHOICES[key] = b
-    sets = b.kernel_sets(p)
-    if sets and get_backend() is None and not jit.ready(sets):
+            _CHOICES[key] = c
+        b, sets = c
+    if sets and not jit.ready(sets):
         return tier(p, b, sets)
     return b
+
+
+def _choice(p: AttentionProblem, forced) -> tuple:
+    """(backend, the kernel sets that wait for a build): none for a forced backend, which compiles if it must."""
+    b = _select(p)
+    return b, (() if forced is not None else b.kernel_sets(p))
 
 
 def best(p: AttentionProblem) -> Backend:
