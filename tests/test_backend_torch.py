@@ -3,15 +3,17 @@
 Every case runs the same call (portable validation: the hardware alignment rules do not matter here) forced
 to `reference` and to `torch`, the torch backend under four tilings: its defaults, the online schedule with
 tiny tiles (many key chunks and row blocks) with every batch in one group (chunks of padding keys) and with
-one group per length, and the rows schedule with tiny key chunks; where CUDA exists, also on the GPU. Results
-must agree: outputs within one rounding of the output dtype (both accumulate in float32), lse within LSE_TOL
-(+inf rows identical), rows that are 0 in the reference exactly 0, and no NaN (KV past the lengths, unused
-paged blocks, query rows past the lengths and per-token scales past the lengths are NaN: a wild read would
-show). Also: memory stays O(chunk) for a long prefill, and the backend's rank.
+one group per length, and the rows schedule with tiny key chunks; each tiling once more with torch's default
+device set to meta (a tensor created without its input's device would fail the call); where CUDA exists, also
+on the GPU. Results must agree: outputs within one rounding of the output dtype (both accumulate in float32),
+lse within LSE_TOL (+inf rows identical), rows that are 0 in the reference exactly 0, and no NaN (KV past the
+lengths, unused paged blocks, query rows past the lengths and per-token scales past the lengths are NaN: a wild
+read would show). Also: memory stays O(chunk) for a long prefill, and the backend's rank.
 
 These tests compare two backends explicitly, so they run once whatever backend the suite forces.
 """
 from __future__ import annotations
+import contextlib
 
 import os
 import subprocess
@@ -91,8 +93,24 @@ def _check(o, l, ro, rl, what):
     assert d <= LSE_TOL, f"{what}: lse error {d:.3g}"
 
 
+@contextlib.contextmanager
+def _default_device(dev):
+    """torch's default device set to meta for the "meta-default" run (inputs stay on the CPU)."""
+    if dev != "meta-default":
+        yield
+        return
+    old = torch.get_default_device()
+    torch.set_default_device("meta")
+    try:
+        yield
+    finally:
+        torch.set_default_device(old)
+
+
 def _on(dev, x):
     """x with every tensor (also inside lists / tuples) moved to dev."""
+    if dev == "meta-default":
+        return x
     if isinstance(x, torch.Tensor):
         return x.to(dev)
     if isinstance(x, (list, tuple)):
@@ -105,8 +123,11 @@ CUDA = torch.cuda.is_available()
 
 def both(monkeypatch, fn, *args, _tol=None, _mode="portable", **kw):
     """fn(*args, **kw) -> (out, lse) under the reference, then under the torch backend with each tiling (and
-    on CUDA where there is one, tensors moved there); every result compared with the reference's."""
-    runs = [(name, "cpu") for name in TILINGS] + ([("default", "cuda"), ("online", "cuda")] if CUDA else [])
+    on CUDA where there is one, tensors moved there); every result compared with the reference's. One CPU run
+    makes "meta" the default device: a tensor the backend creates without naming its input's device would land
+    there and fail the call or the comparison, so the backend is shown to follow its inputs' device."""
+    runs = [(name, dev) for name in TILINGS for dev in ("cpu", "meta-default")]
+    runs += [("default", "cuda"), ("online", "cuda")] if CUDA else []
     with fia.validation_mode(_mode):
         with fia.use_backend("reference"):
             ro, rl = fn(*args, **kw)
@@ -114,7 +135,7 @@ def both(monkeypatch, fn, *args, _tol=None, _mode="portable", **kw):
             with monkeypatch.context() as m:
                 for k, v in TILINGS[name].items():
                     m.setattr(TorchBackend, k, v)
-                with fia.use_backend("torch"):
+                with fia.use_backend("torch"), _default_device(dev):
                     o, l = fn(*_on(dev, args), **_on(dev, kw))
             o, l = o.cpu(), None if l is None else l.cpu()
             if _tol is not None:
@@ -379,6 +400,25 @@ def test_prefill_memory_is_o_chunk():
 
 
 # ------------------------------------------------------------------------------------------------ device
+def test_every_factory_call_names_a_device():
+    """Every tensor the backend creates names its device (the meta-default runs reach only the common paths)."""
+    import ast
+    import pathlib
+    factories = {"zeros", "ones", "full", "empty", "arange", "tensor", "as_tensor", "linspace", "eye"}
+    src = pathlib.Path(sys.modules[TorchBackend.__module__].__file__).parent
+    files = [src / "torch_backend.py", *sorted((src / "torchimpl").glob("*.py"))]
+    calls, missing = 0, []
+    for f in files:
+        for n in ast.walk(ast.parse(f.read_text())):
+            if (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in factories
+                    and isinstance(n.func.value, ast.Name) and n.func.value.id == "torch"):
+                calls += 1
+                if "device" not in {k.arg for k in n.keywords}:
+                    missing.append(f"{f.name}:{n.lineno} torch.{n.func.attr}")
+    assert calls > 20, calls
+    assert not missing, missing
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_cuda_matches_cpu_reference():
     """On CUDA the torch backend is chosen by default and matches the CPU reference (decode paged + prefill)."""
