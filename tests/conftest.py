@@ -9,11 +9,11 @@ import os
 # the suite tests what each backend computes, compiling where needed (tests/test_jit.py covers the tiers)
 os.environ.setdefault("FIA_JIT", "sync")
 
-import pytest  # noqa: E402
+import pytest
 
-import fia  # noqa: E402
-from fia.backends import registry  # noqa: E402
-from fia.errors import FiaBackendUnavailable  # noqa: E402
+import fia
+from fia.backends import registry
+from fia.errors import FiaBackendUnavailable
 
 _ALL = [b.name for b in registry.backends()]
 _SEL = [n for n in os.environ.get("FIA_TEST_BACKENDS", ",".join(_ALL)).split(",") if n]

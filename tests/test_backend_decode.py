@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import fia
-from fia.backends import decode as DEC
+from fia.backends.decode import backend as DEC
 from fia.backends import registry
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
@@ -34,7 +34,7 @@ def _dp_variants():
     rows ahead) and AMX tiles for every item, the FMA kernels alone (every other CPU's bf16 path) with t1
     requests of the V rows only (PV requesting nothing: the "-v" policies, DP_NO_PV_K) and no prefetching."""
     try:
-        from fia.backends import decode_kernels as K
+        from fia.backends.decode import kernels as K
     except ImportError:                                   # numba missing: the backend is not registered
         return [None]
     every = (K.DP_FLAGS & ~K.PREFETCH_POLICIES[K.PREFETCH_POLICY]) | K.PREFETCH_POLICIES["nta+ahead"]
@@ -46,7 +46,7 @@ def _dp_variants():
 @pytest.fixture(autouse=True, params=_dp_variants(), ids=lambda v: f"dp{v}")
 def _dp(request, monkeypatch):
     if request.param is not None:
-        from fia.backends import decode_kernels as K
+        from fia.backends.decode import kernels as K
         monkeypatch.setattr(K, "DP_FLAGS", request.param)
         if hasattr(DEC, "_PLANS"):                          # plans carry the flags: start from none
             monkeypatch.setattr(DEC, "_PLANS", {})
@@ -152,7 +152,7 @@ def compare(args, kw, *, api=None, mode="portable", no_gather=False, monkeypatch
     """Run decode and reference; assert they agree. Returns (out, lse) of decode."""
     api = api or fia.npu_fused_infer_attention_score
     if no_gather:
-        from fia.spec import problem as P
+        from fia.problem import attention as P
 
         def forbidden(self, *a, **k):
             raise AssertionError("the decode backend gathered the paged cache")
@@ -197,7 +197,7 @@ def small_splits(monkeypatch):
 def test_prefetch_bits_follow_the_bytes_read(monkeypatch):
     """A launch reading at most PREFETCH_MIN_BYTES of K / V (keys x KV heads x row bytes of its kinds) runs
     without the software prefetch bits of DP_FLAGS; a larger one keeps them, and the other bits stay."""
-    from fia.backends import decode_kernels as K
+    from fia.backends.decode import kernels as K
     pf = K.DP_PREFETCH_BITS | K.DP_TOUCH
     monkeypatch.setattr(K, "DP_FLAGS", K.DP_FLAGS | pf)
     monkeypatch.setattr(DEC, "PREFETCH_MIN_BYTES", 1 << 20)
@@ -951,7 +951,7 @@ def _problem(q, k, v):
     from fia import parse
     args = dict(query=q, key=k, value=v)
     import inspect
-    sig = inspect.signature(fia.api.npu_fused_infer_attention_score)
+    sig = inspect.signature(fia.eager.npu_fused_infer_attention_score)
     for name, prm in sig.parameters.items():
         if name not in args:
             args[name] = prm.default

@@ -22,10 +22,10 @@ import pytest
 import torch
 
 import fia
-from fia.backends import prefill_flash, registry
-from fia.backends.prefill_plan import (CAUSAL, FULL, MASKED, RCAUSAL, band_dead_rows, dead_row_ranges,
-                                       plan_batch)
-from fia.backends.prefill_pse import THRESH, needed_ranges
+from fia.backends.prefill import flash as prefill_flash
+from fia.backends import registry
+from fia.backends.prefill.plan import CAUSAL, FULL, MASKED, RCAUSAL, band_dead_rows, dead_row_ranges, plan_batch
+from fia.backends.prefill.pse import THRESH, needed_ranges
 from util import assert_close, assert_lse, gen, randmask, randn, seed_of, template_mask
 
 BF16, F16, F32, F64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
@@ -401,7 +401,7 @@ def test_automatic_choice_prefers_prefill():
 @pytest.mark.skipif(not os.environ.get("FIA_PREFILL_MEMTEST"), reason="set FIA_PREFILL_MEMTEST=1 (slow: ~1 min)")
 def test_memory_32k_causal_below_1gb():
     """B=1, N=8, S=32768, D=128 causal bf16: extra peak RSS < 1 GB (fresh subprocess)."""
-    r = subprocess.run([sys.executable, "-m", "fia.backends.prefill_bench", "mem"], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "fia.bench.prefill_tiles", "mem"], capture_output=True,
                        text=True, check=True)
     rec = json.loads(r.stdout.strip().splitlines()[-1])
     assert rec["peak_extra_mb"] is not None and rec["peak_extra_mb"] < 1024, rec

@@ -26,8 +26,8 @@ import torch
 
 import fia
 from fia.backends import registry
-from fia.backends.torch_backend import TorchBackend
-from fia.backends.torchimpl import plan
+from fia.backends.torchops.backend import TorchBackend
+from fia.backends.torchops import plan
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 NAN = float("nan")

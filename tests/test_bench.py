@@ -82,12 +82,12 @@ def test_memory_probe_is_a_call_that_compiled_nothing():
     def fn(compiling):
         calls.append(None)
         if len(calls) <= compiling:                          # a new function each time: numba compiles it
-            numba.njit(lambda x, k=len(calls): x + k)(1)
+            numba.njit(lambda x, k=len(calls): x + k)(1)   # noqa: B008 - k bound at definition on purpose
         return torch.zeros(1)
 
     for compiling, want in ((0, 2), (1, 2), (2, 3), (5, 3)):
         calls.clear()
-        out, info, status = runner._guard(fia, lambda: fn(compiling))
+        out, info, status = runner._guard(fia, lambda c=compiling: fn(c))
         assert status is None and len(calls) == want, (compiling, len(calls))
         assert info["warm_call_s"] is not None
         assert info["peak_mb"] is None or info["peak_mb"] >= 0
@@ -143,7 +143,7 @@ def test_ceilings_agree_with_independent_measurement():
         src = torch.ones(64 << 20)          # 256 MiB
         dst = torch.empty_like(src)
         dst.copy_(src)
-        t = min(_timed(lambda: dst.copy_(src)) for _ in range(3))
+        t = min(_timed(lambda d=dst, s=src: d.copy_(s)) for _ in range(3))
         if _agree(bw, 2 * src.nbytes / t / 1e9):
             break
     else:
@@ -153,7 +153,7 @@ def test_ceilings_agree_with_independent_measurement():
         mm, _n = machine.measure_matmul(torch.float32)
         a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
         torch.mm(a, b)
-        t = min(_timed(lambda: torch.mm(a, b)) for _ in range(3))
+        t = min(_timed(lambda a=a, b=b: torch.mm(a, b)) for _ in range(3))
         if _agree(mm, 2 * 2048 ** 3 / t / 1e12):
             break
     else:

@@ -1,5 +1,4 @@
 """npu_incre_flash_attention and npu_prompt_flash_attention (SPEC 1.1, 5)."""
-import math
 
 import pytest
 import torch

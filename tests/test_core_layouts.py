@@ -6,7 +6,7 @@ import torch
 
 import fia
 import naive
-from util import (INT_MAX, TOL, assert_close, assert_lse, assert_zero_rows, check_dense, cumsum, gen,
+from util import (assert_close, assert_lse, assert_zero_rows, check_dense, cumsum, gen,
                   ntd_split, randn, seed_of, template_mask, tnd_split, to_ntd, to_tnd)
 
 F16, BF16 = torch.float16, torch.bfloat16

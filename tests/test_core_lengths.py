@@ -7,8 +7,8 @@ import torch
 
 import fia
 import naive
-from util import (assert_close, assert_lse, assert_zero_rows, check_dense, expand_lengths, gen, out_to_canon,
-                  poison_rows, randn, seed_of, to_layout)
+from util import (assert_close, assert_lse, check_dense, gen, out_to_canon,
+                  randn, seed_of, to_layout)
 
 F16, BF16 = torch.float16, torch.bfloat16
 

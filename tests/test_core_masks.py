@@ -1,10 +1,8 @@
 """atten_mask dtypes/shapes, sparse modes 0-4, pre/next, rows without keys and inner_precise (SPEC 5, 6)."""
-import math
 
 import pytest
 import torch
 
-import fia
 from util import (INT_MAX, check_dense, gen, mask_as, randmask, randn, seed_of, template_mask)
 
 F16, BF16 = torch.float16, torch.bfloat16

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fia
-from fia import api
+from fia import eager
 from fia.backends import registry
 from fia.errors import FiaInputError
 from fia.parse import core, memo
@@ -29,7 +29,7 @@ def call_args(q=None, k=None, v=None, **kw):
     q = torch.randn(B, N, 1, D, generator=g).to(torch.float16) if q is None else q
     k = torch.randn(B, KV_N, S, D, generator=g).to(torch.float16) if k is None else k
     v = torch.randn(B, KV_N, S, D, generator=g).to(torch.float16) if v is None else v
-    a = dict(api.npu_fused_infer_attention_score.__kwdefaults__)
+    a = dict(eager.npu_fused_infer_attention_score.__kwdefaults__)
     a.update(num_heads=N, num_key_value_heads=KV_N, input_layout="BNSD", scale=0.125)
     a.update(kw)
     return dict(query=q, key=k, value=v, **a)

@@ -17,7 +17,7 @@ numba = pytest.importorskip("numba")
 from numba import njit  # noqa: E402
 from kernel_util import once_under_decode  # noqa: E402,F401
 
-from fia.backends import decode_amx as A  # noqa: E402
+from fia.cpu import amx as A  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not A.HAS_AMX, reason="the CPU (or the OS) offers no AMX-BF16 tiles")
 

@@ -17,7 +17,7 @@ numba = pytest.importorskip("numba")
 from numba import njit  # noqa: E402
 from kernel_util import compiling_with, frozen, once_under_decode  # noqa: E402,F401
 
-from fia.backends import decode_simd as S  # noqa: E402
+from fia.cpu import simd as S  # noqa: E402
 
 
 def _kernels(native: bool):
@@ -115,7 +115,7 @@ def test_nan_and_inf_propagate(kernels):
 
 
 # ---------------------------------------------------------------------------------------------- FMA kernels
-from fia.backends import decode_fma as FM  # noqa: E402
+from fia.cpu import fma as FM  # noqa: E402
 
 KINDS = {"bf16": (FM.KIND_BF16, torch.bfloat16), "fp16": (FM.KIND_FP16, torch.float16),
          "int8": (FM.KIND_I8, torch.int8)}
@@ -222,7 +222,7 @@ def test_fp16_bits_widening_exact(fma_kernels):
 
 def test_f32_to_half_software_rounding_matches_torch():
     """The fp16 output rounding used where the target lacks F16C equals torch's, bit for bit."""
-    from fia.backends import decode_kernels as K
+    from fia.backends.decode import kernels as K
 
     @njit
     def conv(a, out):
@@ -253,7 +253,7 @@ def test_exp_rows_matches_the_scalar_pass(mode, n):
     """exp_rows (the 16-lane softmax pass) against decode_kernels' scalar fexp / bf16 rounding / int16
     quantization on the same scores: whole 16-score blocks only (the rest untouched), NaN, -inf, very
     negative and zero differences included, the sum of the written values returned."""
-    from fia.backends import decode_kernels as K
+    from fia.backends.decode import kernels as K
     g = np.random.default_rng(n * 10 + mode)
     x = (g.standard_normal(n) * 6 - 3).astype(np.float32)
     x[:6] = [np.nan, -np.inf, -100.0, -87.5, 0.0, 1.0]

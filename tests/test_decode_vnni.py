@@ -26,9 +26,9 @@ numba = pytest.importorskip("numba")
 from numba import njit  # noqa: E402
 from kernel_util import compiling_with, frozen, once_under_decode  # noqa: E402,F401
 
-from fia.backends import decode_kernels as K  # noqa: E402
-from fia.backends import decode_simd as S  # noqa: E402
-from fia.backends import decode_vnni as V  # noqa: E402
+from fia.backends.decode import kernels as K  # noqa: E402
+from fia.cpu import simd as S  # noqa: E402
+from fia.cpu import vnni as V  # noqa: E402
 
 U = 2.0 ** -24                  # float32 unit roundoff
 

@@ -71,8 +71,8 @@ def fia_backend():
 
 
 # ============================================================================================ spellings
-_SIG_FN = {"fused": fia.api.npu_fused_infer_attention_score, "incre": fia.api.npu_incre_flash_attention,
-           "prompt": fia.api.npu_prompt_flash_attention, "v2": fia.api.npu_fused_infer_attention_score_v2}
+_SIG_FN = {"fused": fia.eager.npu_fused_infer_attention_score, "incre": fia.eager.npu_incre_flash_attention,
+           "prompt": fia.eager.npu_prompt_flash_attention, "v2": fia.eager.npu_fused_infer_attention_score_v2}
 SIGS = {k: [p for p in inspect.signature(f).parameters if p != "unknown"] for k, f in _SIG_FN.items()}
 # canonical (npu_fused_infer_attention_score) keyword -> the entry point's keyword (None: not reachable)
 SPELL = {
@@ -176,7 +176,7 @@ def _acl_table(op: str):
     return aclnn._IFA
 
 
-_INCRE_DEFAULTS = {p.name: p.default for p in inspect.signature(fia.api.npu_incre_flash_attention).parameters.values()
+_INCRE_DEFAULTS = {p.name: p.default for p in inspect.signature(fia.eager.npu_incre_flash_attention).parameters.values()
                    if p.default is not inspect.Parameter.empty}
 
 
@@ -1536,7 +1536,7 @@ def assert_same(got, want, what=""):
             assert (x.int() - y.int()).abs().max() <= 1, f"{what} output {i} differs from the unmutated call"
         elif x.is_floating_point():
             torch.testing.assert_close(x.float(), y.float(), atol=_tol(x.dtype), rtol=_tol(x.dtype), equal_nan=True,
-                                       msg=lambda m: f"{what} output {i} differs from the unmutated call: {m}")
+                                       msg=lambda m, i=i: f"{what} output {i} differs from the unmutated call: {m}")
         else:
             assert torch.equal(x, y), f"{what} output {i} differs"
 
@@ -1588,7 +1588,7 @@ def _compare_masked(got, want, exp):
 def _outcome(call: Call):
     try:
         return "ok", run_clone(call)
-    except BaseException as e:       # noqa: BLE001 - every exception is judged below
+    except BaseException as e:       # every exception is judged below
         return "raise", e
 
 

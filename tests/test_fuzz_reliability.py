@@ -85,7 +85,7 @@ def test_fuzz_reliability(seed, mutation, monkeypatch):
                 torch.set_num_threads(n)
                 for i in range(3):
                     results[(n, i)] = call(case, bt)
-            except BaseException as e:                      # noqa: BLE001 -- reported below
+            except BaseException as e:                      # reported below
                 errors.append(e)
 
         before = torch.get_num_threads()

@@ -69,7 +69,7 @@ def test_explain_supported_case(monkeypatch):
                        "decode kv=dense")
     assert text[1] == f"backend: {rep.selected}"
     assert f"  {rep.selected}: can run (selected)" in text
-    for name, why in rep.reasons.items():             # one line per backend
+    for name in rep.reasons:                          # one line per backend
         assert any(line.startswith(f"  {name}: ") for line in text)
     fia.npu_fused_infer_attention_score(q, k, v, **KW)
     assert calls == [rep.selected]                    # the call runs the backend the report named
@@ -108,7 +108,7 @@ def test_explain_unsupported_case_has_the_error_text(monkeypatch):
     out, _ = fia.npu_fused_infer_attention_score(q, k, v, **KW)
     assert out.device.type == "meta" and out.shape == q.shape
     with pytest.raises(fia.FiaUnsupportedError) as e:
-        fia.api.npu_fused_infer_attention_score(q, k, v, **KW)
+        fia.eager.npu_fused_infer_attention_score(q, k, v, **KW)
     assert e.value.reasons == rep.reasons
     text = str(rep).splitlines()
     for line in str(e.value).splitlines():
@@ -142,7 +142,7 @@ def test_explain_names_the_decode_kernels(monkeypatch):
     """The decode backend's report line names the kernels its items pick (decode_kernels.kernel_flags) on
     this CPU and under the kernel switches (DP_FLAGS), the generic loops for head dims they do not take."""
     pytest.importorskip("numba")
-    from fia.backends import decode_kernels as K
+    from fia.backends.decode import kernels as K
     g = gen(701)
     q = randn((1, 8, 1, 128), g).to(torch.bfloat16)
     k, v = (randn((1, 2, 64, 128), g).to(torch.bfloat16) for _ in range(2))
@@ -151,7 +151,7 @@ def test_explain_names_the_decode_kernels(monkeypatch):
           "float32 FMA (bf16 in even / odd halves)" if K.NARROW else "float32 FMA")
     kernels = K.DP_FLAGS & ~K.DP_PREFETCH_BITS
     assert bool(kernels & K.DP_EO) == K.NARROW
-    from fia.backends import decode as DEC
+    from fia.backends.decode import backend as DEC
     monkeypatch.setattr(K, "DP_FLAGS", kernels | K.PREFETCH_POLICIES["nta+ahead"])
     # a call reading at most PREFETCH_MIN_BYTES of K / V runs without the prefetches (its data may be cached)
     assert _kernel_line(q, k, v) == (f"kernels: QK {dp}, PV {dp}, no software prefetch (at most "
@@ -195,7 +195,7 @@ def _prefetch_policy_in_subprocess(value):
     import sys
     env = dict(os.environ, FIA_DECODE_PREFETCH=value)
     code = ("import warnings; warnings.simplefilter('always')\n"
-            "from fia.backends import decode_kernels as K\n"
+            "from fia.backends.decode import kernels as K\n"
             "print(K.PREFETCH_POLICY, K.PREFETCH_DEFAULT, K.DP_FLAGS & K.DP_PREFETCH_BITS)")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -208,8 +208,8 @@ def test_decode_prefetch_policy_follows_the_cpu_and_the_environment():
     without: nta, V rows only; others: t1), FIA_DECODE_PREFETCH overrides it, and an unknown value warns (naming the variable and the choices)
     and keeps the default instead of breaking `import fia`."""
     pytest.importorskip("numba")
-    from fia.backends import decode_kernels as K
-    from fia.backends.decode_simd import target_has
+    from fia.backends.decode import kernels as K
+    from fia.cpu.simd import target_has
     assert K.PREFETCH_DEFAULT == ("t1" if not target_has("sse4a") else
                                   "nta+ahead" if target_has("avx512f") else "nta-v")
     assert K.PREFETCH_POLICIES["t1"] == K.DP_PREFETCH

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import fia
-from fia import ops
+from fia import graph
 from util import gen, randn, template_mask, to_layout
 
 F16, BF16 = torch.float16, torch.bfloat16
@@ -148,7 +148,7 @@ def test_compile_invalid_call_fails_at_trace_time_with_the_fia_message():
 @pytest.mark.parametrize("lse", [False, True], ids=["nolse", "lse"])
 def test_opcheck_fused_optional_tensors_absent(lse):
     q, k, v = qkv(610, 2, 4, 2, 1, 33, 64)
-    torch.library.opcheck(ops.op(FUSED), (q, k, v),
+    torch.library.opcheck(graph.op(FUSED), (q, k, v),
                           dict(num_heads=4, num_key_value_heads=2, input_layout="BNSD", softmax_lse_flag=lse,
                                actual_seq_lengths_kv=[33, 10]))
 
@@ -156,7 +156,7 @@ def test_opcheck_fused_optional_tensors_absent(lse):
 def test_opcheck_fused_mask_tnd_lse():
     g = gen(611)
     q, k, v = randn((7, 2, 16), g, BF16), randn((9, 2, 16), g, BF16), randn((9, 2, 16), g, BF16)
-    torch.library.opcheck(ops.op(FUSED), (q, k, v),
+    torch.library.opcheck(graph.op(FUSED), (q, k, v),
                           dict(num_heads=2, input_layout="TND", actual_seq_lengths=[3, 7],
                                actual_seq_lengths_kv=[4, 9], softmax_lse_flag=True, sparse_mode=3,
                                atten_mask=template_mask()),
@@ -166,21 +166,21 @@ def test_opcheck_fused_mask_tnd_lse():
 def test_opcheck_incre_mask_and_paged():
     q, k, v = qkv(612, 2, 4, 4, 1, 20, 32, "BSH")
     mask = torch.rand(2, 1, 1, 20, generator=gen(613)) < 0.5
-    torch.library.opcheck(ops.op(INCRE), (q, k, v), dict(num_heads=4, atten_mask=mask, scale_value=0.1))
+    torch.library.opcheck(graph.op(INCRE), (q, k, v), dict(num_heads=4, atten_mask=mask, scale_value=0.1))
     q, kc, vc, kw = paged(614)
     kw = dict(kw, actual_seq_lengths=kw.pop("actual_seq_lengths_kv"))
-    torch.library.opcheck(ops.op(INCRE), (q, kc, vc), kw, test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(graph.op(INCRE), (q, kc, vc), kw, test_utils=("test_schema", "test_faketensor"))
 
 
 def test_opcheck_prompt_and_kv_list():
     q, k, v = qkv(615, 2, 2, 1, 16, 16, 16, "BNSD")
-    torch.library.opcheck(ops.op(PROMPT), (q, k, v),
+    torch.library.opcheck(graph.op(PROMPT), (q, k, v),
                           dict(num_heads=2, num_key_value_heads=1, input_layout="BNSD_BSND",
                                actual_seq_lengths=[16, 7]),
                           test_utils=("test_schema", "test_faketensor"))
     q, k, v = qkv(616, 2, 2, 2, 1, 12, 16)
     ks, vs = [k[:1, :, :12], k[1:, :, :5]], [v[:1, :, :12], v[1:, :, :5]]
-    torch.library.opcheck(ops.op(INCRE, kv_list=True), (q, ks, vs), dict(num_heads=2, input_layout="BNSD"),
+    torch.library.opcheck(graph.op(INCRE, kv_list=True), (q, ks, vs), dict(num_heads=2, input_layout="BNSD"),
                           test_utils=("test_schema", "test_faketensor"))
 
 
@@ -222,10 +222,10 @@ def test_fake_kernel_validates_like_eager():
 def test_eager_path_is_the_api_function():
     """Eagerly the public names call fia.api directly: same results, same exceptions, same signature."""
     assert inspect.signature(fia.npu_fused_infer_attention_score) == \
-        inspect.signature(fia.api.npu_fused_infer_attention_score)
-    assert fia.npu_incre_flash_attention.__wrapped__ is fia.api.npu_incre_flash_attention
+        inspect.signature(fia.eager.npu_fused_infer_attention_score)
+    assert fia.npu_incre_flash_attention.__wrapped__ is fia.eager.npu_incre_flash_attention
     q, k, v = qkv(630, 1, 2, 2, 1, 8, 16)
-    for fn in (fia.npu_prompt_flash_attention, fia.api.npu_prompt_flash_attention):
+    for fn in (fia.npu_prompt_flash_attention, fia.eager.npu_prompt_flash_attention):
         with pytest.raises(fia.FiaInputError, match="^num_heads: ") as e:
             fn(q, k, v, num_heads=5, input_layout="BNSD")
         assert e.value.status == 161002

@@ -43,7 +43,7 @@ def test_doc_single_op_example(module):
 
     # 调用IFA算子
     out = torch_npu.npu_incre_flash_attention(q, k, v, num_heads=40, input_layout="BSH", scale_value=scale)
-    out
+    out  # noqa: B018
     # ----
     assert out.shape == (2, 1, 5120) and out.dtype == torch.float16
     assert torch.equal(out, v)          # one key per batch: the output is that key's value
@@ -57,8 +57,8 @@ def _graph_example():
     import math
 
     import torch._dynamo
-    TORCHDYNAMO_VERBOSE=1  # noqa: E225,F841
-    TORCH_LOGS="+dynamo"  # noqa: E225,F841
+    TORCHDYNAMO_VERBOSE=1  # noqa: F841
+    TORCH_LOGS="+dynamo"  # noqa: F841
 
     # 数据生成
     q = torch.randn(2, 1, 40 * 128, dtype=torch.float16)

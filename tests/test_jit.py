@@ -1,4 +1,4 @@
-"""Tiered execution (fia.jit): background builds into the on-disk cache, their failure modes, FIA_JIT modes,
+"""Tiered execution (fia.cpu.jit): background builds into the on-disk cache, their failure modes, FIA_JIT modes,
 and the tier switch of automatic backend selection. Each case runs in a child process with its own Numba cache
 folder (Numba reads NUMBA_CACHE_DIR at import), on a toy kernel set (tests/jit_toy) or, for the switch, the
 decode backend itself."""
@@ -162,7 +162,7 @@ def test_decode_asks_for_the_generic_build_only_where_it_runs_it(kv, d, generic)
     k = (torch.randint(-9, 9, (2, 2, 64, d), dtype=torch.int8) if kv == torch.int8
          else torch.randn(2, 2, 64, d).to(kv))
     args = dict(query=q, key=k, value=k)
-    for name, prm in inspect.signature(fia.api.npu_fused_infer_attention_score).parameters.items():
+    for name, prm in inspect.signature(fia.eager.npu_fused_infer_attention_score).parameters.items():
         args.setdefault(name, prm.default)
     args.update(num_heads=4, num_key_value_heads=2, input_layout="BNSD")
     if kv == torch.int8:

@@ -1,55 +1,95 @@
-"""The Numba cache guard (fia.backends.kernel_sources): every cached kernel module carries the hash of the
-files its machine code embeds, so editing or upgrading one of them invalidates the module's on-disk cache.
+"""The Numba cache guard (fia.cpu.kernel_cache): a kernel module's cached machine code is reused only while the
+files it embeds are unchanged, so editing or upgrading one of them rebuilds the module's kernels.
 
-Read from the files' text (no numba import needed): the literal must equal the hash of the current sources,
-and the dependency list must hold every module the kernel module imports, directly or through another one."""
+The dependency lists are checked against the kernel modules' imports (read from the files' text); the guard
+itself on a toy kernel module in child processes with their own cache folder: a second process loads from the
+cache, an edit of a dependency makes the next process compile again."""
 from __future__ import annotations
 
 import ast
-import re
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 
-from fia.backends import kernel_sources as KS
+from fia.cpu import kernel_cache as KC
 
 
-def _literal(module: str) -> str:
-    text = (KS._HERE / f"{module}.py").read_text()
-    m = re.search(r'^SOURCES_SHA = "([0-9a-f]{16})"', text, re.M)
-    assert m, f"{module}.py has no SOURCES_SHA literal"
-    return m.group(1)
+def _imports(rel: str) -> set:
+    """The package files a module imports with relative imports (paths in the package)."""
+    here = (KC.PACKAGE / rel).parent
+    out = set()
+    for node in ast.walk(ast.parse((KC.PACKAGE / rel).read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = here
+            for _ in range(node.level - 1):
+                base = base.parent
+            for name in ([node.module] if node.module else [a.name for a in node.names]):
+                p = base.joinpath(*name.split("."))
+                if p.with_suffix(".py").is_file():
+                    out.add(p.with_suffix(".py").relative_to(KC.PACKAGE).as_posix())
+    return out
 
 
-def _relative_imports(name: str) -> set:
-    tree = ast.parse((KS._HERE / name).read_text())
-    return {f"{node.module}.py" for node in ast.walk(tree)
-            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module}
-
-
-@pytest.mark.parametrize("module", sorted(KS.DEPENDENCIES))
-def test_sources_sha_is_current(module):
-    want = KS.sources_sha(module)
-    assert _literal(module) == want, (
-        f"{module}.SOURCES_SHA is stale (one of {', '.join(KS.DEPENDENCIES[module])} changed): set it to "
-        f'"{want}" so numba rebuilds its cached kernels')
-
-
-@pytest.mark.parametrize("module", sorted(KS.DEPENDENCIES))
+@pytest.mark.parametrize("module", sorted(KC.DEPENDENCIES))
 def test_dependencies_are_complete(module):
-    seen, todo = set(), [f"{module}.py"]
+    seen, todo = set(), [module]
     while todo:
-        for dep in _relative_imports(todo.pop()) - seen - {"kernel_sources.py"}:
+        for dep in _imports(todo.pop()) - seen - {"cpu/kernel_cache.py"}:
             seen.add(dep)
             todo.append(dep)
-    assert seen <= set(KS.DEPENDENCIES[module]), f"{module} also embeds {sorted(seen - set(KS.DEPENDENCIES[module]))}"
+    assert seen <= set(KC.DEPENDENCIES[module]), f"{module} also embeds {sorted(seen - set(KC.DEPENDENCIES[module]))}"
 
 
-def test_hash_changes_with_a_dependency(tmp_path, monkeypatch):
+def test_hash_changes_with_a_dependency(tmp_path):
     """The hash follows the bytes of every listed file (not just their names)."""
-    for name in KS.DEPENDENCIES["decode_kernels"]:
-        (tmp_path / name).write_bytes((KS._HERE / name).read_bytes())
-    monkeypatch.setattr(KS, "_HERE", tmp_path)
-    before = KS.sources_sha("decode_kernels")
-    p = tmp_path / KS.DEPENDENCIES["decode_kernels"][-1]
+    module = "backends/prefill/kernels.py"
+    for name in KC.DEPENDENCIES[module]:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes((KC.PACKAGE / name).read_bytes())
+    before = KC.sources_sha(module, tmp_path)
+    assert before == KC.sources_sha(module)
+    p = tmp_path / KC.DEPENDENCIES[module][-1]
     p.write_bytes(p.read_bytes() + b"# edited\n")
-    assert KS.sources_sha("decode_kernels") != before
+    KC.sources_sha.cache_clear()
+    assert KC.sources_sha(module, tmp_path) != before
+
+
+_CHILD = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    from fia.cpu import kernel_cache as KC
+    root = Path(sys.argv[1])
+    KC.PACKAGE, KC.DEPENDENCIES = root, {"toy.py": ("dep.py",)}
+    KC.install()
+    sys.path.insert(0, str(root))
+    import toy
+    assert toy.twice(1.5) == 3.0
+    print(json.dumps({"hits": sum(toy.twice.stats.cache_hits.values()),
+                      "misses": sum(toy.twice.stats.cache_misses.values())}))
+""")
+
+
+def test_an_edited_dependency_rebuilds_the_cached_kernel(tmp_path):
+    root = tmp_path / "pkg"
+    root.mkdir()
+    (root / "toy.py").write_text("from numba import njit\n\n\n@njit(cache=True)\ndef twice(x):\n    return 2.0 * x\n")
+    (root / "dep.py").write_text("A = 1\n")
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+
+    def run():
+        r = subprocess.run([sys.executable, "-c", _CHILD, str(root)], capture_output=True, text=True, env=env,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    assert run() == {"hits": 0, "misses": 1}                  # compiles, writes the cache
+    assert run() == {"hits": 1, "misses": 0}                  # loads it
+    (root / "dep.py").write_text("A = 2\n")                   # the toy module itself untouched
+    assert run() == {"hits": 0, "misses": 1}                  # rebuilds
+    assert run() == {"hits": 1, "misses": 0}
+    assert any(Path(tmp_path / "cache").rglob("*.nbi"))

@@ -24,10 +24,10 @@ numba = pytest.importorskip("numba")
 from numba import njit  # noqa: E402
 from kernel_util import compiling_with, frozen, once_under_decode  # noqa: E402,F401
 
-from fia.backends import decode_fma as DF  # noqa: E402
-from fia.backends import decode_simd as DS  # noqa: E402
-from fia.backends import prefill_flash as PF  # noqa: E402
-from fia.backends import prefill_simd as PS  # noqa: E402
+from fia.cpu import fma as DF  # noqa: E402
+from fia.cpu import simd as DS  # noqa: E402
+from fia.backends.prefill import flash as PF  # noqa: E402
+from fia.cpu import gemm as PS  # noqa: E402
 
 
 def _wrapper(module, flag, native, gemm, a0, b0):
@@ -232,7 +232,7 @@ def test_flash_overlapping_query_views_and_nan():
 
 def test_bf16_default_follows_amx():
     """bf16 prefill uses this kernel by default only on CPUs with AVX512-BF16 and without AMX-BF16."""
-    from fia.backends.decode_simd import target_has
+    from fia.cpu.simd import target_has
     assert PF.AMX_BF16 == target_has("amx-tile", "amx-bf16")
     assert PF.ENABLED_DEFAULT == (PF.HAS_DP and not PF.AMX_BF16)
 

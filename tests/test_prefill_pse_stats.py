@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fia.backends import prefill_pse
+from fia.backends.prefill import pse as prefill_pse
 
 from util import gen
 

@@ -18,7 +18,8 @@ import torch
 
 import fia
 from fia import parse
-from fia.backends import decode as DEC
+from fia.backends.decode import backend as DEC
+from fia.cpu import threads
 from fia.backends import registry
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
@@ -46,7 +47,7 @@ def ulp16(x: float) -> float:
 def problem(q, k, v, **kw):
     """The parsed problem of npu_fused_infer_attention_score(q, k, v, **kw)."""
     args = dict(query=q, key=k, value=v)
-    for name, prm in inspect.signature(fia.api.npu_fused_infer_attention_score).parameters.items():
+    for name, prm in inspect.signature(fia.eager.npu_fused_infer_attention_score).parameters.items():
         args.setdefault(name, prm.default)
     args.update(kw)
     return parse.parse_fused(args)
@@ -161,7 +162,7 @@ def test_int8_ordinary_query_keeps_the_int16_path(dt, mode):
     """The speed of int8 decode comes from the int16 query kernels (decode_vnni): an ordinary query (no outlier)
     runs every chunk there; a query whose every head has an outlier of 300 none; an outlier in one KV head's query
     heads only sends that head's chunks to the float32 kernels, the others stay."""
-    from fia.backends import decode_kernels as K
+    from fia.backends.decode import kernels as K
     if not K.DP_FLAGS & K.DP_I8:
         pytest.skip("no int16 x int8 dot-product kernels on this CPU")
     args, kw = int8_case(dt, mode, 0)
@@ -186,16 +187,16 @@ def test_threads_with_their_own_thread_counts(monkeypatch):
     monkeypatch.setattr(DEC, "MIN_SPLIT", 8)
     monkeypatch.setattr(DEC, "ITEMS_PER_THREAD", 16)
     monkeypatch.setattr(DEC, "PARALLEL_MIN_WORK", 0)
-    pool = DEC._pool
+    pool = threads.pool
 
     def slow_pool(n):
         got = pool(n)
         time.sleep(0.002)
         return got
-    monkeypatch.setattr(DEC, "_pool", slow_pool)
+    monkeypatch.setattr(threads, "pool", slow_pool)
     counts = [1, 2, 3, 4, 1, 2, 3, 4]
     cases = []
-    for i, t in enumerate(counts):
+    for i in range(len(counts)):
         g = gen("threads", i)
         b, n, kvn, s, d = 2, 8, 2, 96 + 16 * i, 64
         q = torch.randn(b, n, 1, d, generator=g).to(F16)
@@ -215,8 +216,8 @@ def test_threads_with_their_own_thread_counts(monkeypatch):
         for _ in range(rounds):
             barrier.wait()
             if i == 0:
-                with DEC._POOL_LOCK:
-                    DEC._POOL, DEC._POOL_SIZE = None, 0
+                with threads._POOL_LOCK:
+                    threads._POOL, threads._POOL_SIZE = None, 0
             barrier.wait()
             for _ in range(calls):
                 torch.set_num_threads(counts[i])            # (process-wide in torch: the threads take turns)
@@ -226,16 +227,16 @@ def test_threads_with_their_own_thread_counts(monkeypatch):
                     err = (out.double() - ref.double()).abs().max().item()
                     if err > 2 * ulp16(ref.double().abs().max().item()):
                         errors.append(f"thread {i}: err {err}")
-                except Exception as e:                      # noqa: BLE001 - collected, asserted below
+                except Exception as e:                      # collected, asserted below
                     errors.append(f"thread {i}: {e!r}")
                 done[0] += 1
 
     prev = torch.get_num_threads()
     try:
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(counts))]
-        for t in threads:
+        workers = [threading.Thread(target=worker, args=(i,)) for i in range(len(counts))]
+        for t in workers:
             t.start()
-        for t in threads:
+        for t in workers:
             t.join()
     finally:
         torch.set_num_threads(prev)

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import fia
-from fia.backends import prefill_flash, registry
+from fia.backends.prefill import flash as prefill_flash
+from fia.backends import registry
 from util import assert_close, gen, randn, seed_of, template_mask
 
 BF16, F16, F32, F64 = torch.bfloat16, torch.float16, torch.float32, torch.float64

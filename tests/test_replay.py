@@ -9,7 +9,7 @@ import torch
 
 import fia
 from fia import replay
-from fia.backends import decode as DEC
+from fia.backends.decode import backend as DEC
 from fia.parse import memo
 
 import naive
@@ -257,14 +257,14 @@ def test_antiquant_replay_equals_full_path_on_new_scales(mode, S, qdt):
     g = gen(11)
     q0 = randn((B, N, 1, D), g, qdt)
     base = dict(num_heads=N, num_key_value_heads=KV_N, input_layout="BNSD", scale=0.125)
-    served = 0
+    served, steps = 0, []                                  # steps: each step's kwargs
     for step in range(5):
         q = randn((B, N, 1, D), g, qdt) if step else q0
         k8 = torch.randint(-128, 128, (B, KV_N, S, D), generator=g, dtype=torch.int8)
         v8 = torch.randint(-128, 128, (B, KV_N, S, D), generator=g, dtype=torch.int8)
         kw = dict(base, **_antiquant_args(g, mode, KV_N, D, qdt, B, S))
         if step == 4:                                     # the same tensors again, one scale changed in place
-            kw = last
+            kw = steps[-1]
             name = "antiquant_scale" if "antiquant_scale" in kw else "value_antiquant_scale"
             kw[name].mul_(1.5)
         want = full_path(fia.npu_fused_infer_attention_score, q, k8, v8, **kw)
@@ -272,7 +272,7 @@ def test_antiquant_replay_equals_full_path_on_new_scales(mode, S, qdt):
         got = fia.npu_fused_infer_attention_score(q, k8, v8, **kw)
         served += replay.stats["replayed"] - before
         assert bits_equal(got[0], want[0]) and bits_equal(got[1], want[1]), (mode, step)
-        last = kw
+        steps.append(kw)
     assert replay.stats["admitted"] == 1 and served >= 3
 
 
@@ -424,11 +424,11 @@ def test_lengths_key():
 def test_relength_equals_a_new_plan():
     """decode._relength (the lengths replay's re-plan) gives what _plan gives for the new windows."""
     import dataclasses
-    from fia.backends import decode_kernels as K
+    from fia.backends.decode import kernels as K
     g = gen(950)
     for B, N, KV_N, Q_S, S in ((1, 8, 8, 1, 128), (3, 8, 2, 1, 3000), (2, 16, 4, 3, 96), (5, 4, 4, 1, 700)):
         _, _, _, q, k, v = inputs(951, B, N, KV_N, Q_S, S, 64, torch.bfloat16, "BNSD")
-        p = full_path(fia.api.fused_problem, dict(_fused_defaults(), query=q, key=k, value=v, num_heads=N,
+        p = full_path(fia.eager.fused_problem, dict(_fused_defaults(), query=q, key=k, value=v, num_heads=N,
                                                       num_key_value_heads=KV_N, input_layout="BNSD",
                                                       actual_seq_lengths_kv=[S] * B))
         x = DEC._Inputs(p)
@@ -452,7 +452,7 @@ def test_relength_equals_a_new_plan():
 
 def _fused_defaults():
     import inspect
-    sig = inspect.signature(fia.api.npu_fused_infer_attention_score)
+    sig = inspect.signature(fia.eager.npu_fused_infer_attention_score)
     return {n: prm.default for n, prm in sig.parameters.items()}
 
 

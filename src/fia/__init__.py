@@ -2,20 +2,16 @@
 
 `import fia as torch_npu` runs torch_npu attention code unchanged.
 """
-from .api import (npu_attention_update, npu_fused_infer_attention_score, npu_fused_infer_attention_score_v2,
-                  npu_incre_flash_attention, npu_prompt_flash_attention)
-from .config import (get_backend, get_validation_mode, set_backend, set_validation_mode, use_backend,
-                     validation_mode)
-from .errors import FiaError, FiaInputError, FiaMemoryError, FiaRuntimeError, FiaUnsupportedError
-# graph mode (issues 5, 9): the same functions (and their .out variants), recorded as torch.ops.fia nodes
-# while torch.compile traces
-from .ops import (_npu_fused_infer_attention_score_get_max_workspace,  # noqa: E402,F811
+from . import aclnn, graph
+from .api import (_npu_fused_infer_attention_score_get_max_workspace,
                   _npu_fused_infer_attention_score_v2_get_max_workspace, npu_attention_update,
                   npu_fused_infer_attention_score, npu_fused_infer_attention_score_v2, npu_incre_flash_attention,
                   npu_prompt_flash_attention)
-from . import aclnn, ops  # noqa: E402
-from .explain import DispatchReport, explain  # noqa: E402
-from .kernel_warmup import warmup  # noqa: E402
+from .config import (get_backend, get_validation_mode, set_backend, set_validation_mode, use_backend,
+                     validation_mode)
+from .cpu.warmup import warmup
+from .dispatch_report import DispatchReport, explain
+from .errors import FiaBackendUnavailable, FiaError, FiaInputError, FiaMemoryError, FiaRuntimeError, FiaUnsupportedError
 
 __version__ = "0.1.0"
 
@@ -26,5 +22,5 @@ __all__ = [
     "FiaError", "FiaInputError", "FiaUnsupportedError", "FiaRuntimeError", "FiaMemoryError",
     "get_validation_mode", "set_validation_mode", "validation_mode",
     "get_backend", "set_backend", "use_backend",
-    "explain", "DispatchReport", "aclnn", "ops", "warmup",
+    "explain", "DispatchReport", "aclnn", "graph", "warmup", "FiaBackendUnavailable",
 ]

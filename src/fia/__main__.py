@@ -11,8 +11,8 @@ def main(argv=None) -> int:
     w = sub.add_parser("warmup", help="compile (or load) the CPU kernels ahead of the first call")
     w.add_argument("sets", nargs="*", help="kernel sets (default: every set this CPU uses)")
     args = ap.parse_args(argv)
-    from .kernel_warmup import warmup
-    from .jit import KERNEL_SETS
+    from .cpu.warmup import warmup
+    from .cpu.jit import KERNEL_SETS
     unknown = [s for s in args.sets if s not in KERNEL_SETS]
     if unknown:
         ap.error(f"unknown kernel set(s) {unknown}; known: {sorted(KERNEL_SETS)}")

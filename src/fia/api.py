@@ -1,135 +1,184 @@
-"""torch_npu-compatible entry points: parse -> choose backend -> run -> finalize.
+"""The public functions: each routes a call to the eager implementation (`fia.eager`), to a replay of the
+previous identical call's prepared launch (`fia.replay`), or to its graph-mode custom op (`fia.graph`).
 
-Signatures, keyword names and defaults are those of torch_npu (SPEC 1.1), so NPU code runs unchanged.
+Routing: ``fia.npu_fused_infer_attention_score`` & co. (the names exported by ``fia`` and
+``fia.torch_npu``) are thin wrappers from this module. Eagerly they call ``fia.eager`` directly -- no
+dispatcher hop, identical behaviour and messages. While ``torch.compile`` traces
+(``torch.compiler.is_compiling()``) they call the custom op instead, so Dynamo records a single graph
+node and never traces the Python of the parse layer (``fullgraph=True`` works). They call it as well
+whenever FIA's kernels must not run on the call's tensors (`_graph_call`): a Python dispatch mode is active
+(FakeTensorMode, ``make_fx`` in any tracing mode, functionalization), ``torch.jit.trace`` records (the
+Numba kernels are invisible to it: the trace gets one op node that replays the real kernel), the query is
+a meta tensor, or a tensor is a subclass (FakeTensor, FunctionalTensor, ...). On plain tensors that check
+costs ~0.1-0.3 us a call (two C calls once the replay key has vouched for the tensors).
 """
 from __future__ import annotations
 
+import functools
+import operator
+import warnings
+from typing import Optional
+
 import torch
 
-from . import parse, replay
-from .backends import registry
-from .backends.base import run_inference
-from .finalize import finalize
-from .outvariants import out_variant, workspace_query
+from . import eager, replay
+from .errors import FiaUnsupportedError, input_error
+from .graph import INT_LISTS, OPS, OpSpec, op
+from .outvariants import caller_outputs
 
 __all__ = ["npu_fused_infer_attention_score", "npu_incre_flash_attention", "npu_prompt_flash_attention",
            "npu_fused_infer_attention_score_v2", "npu_attention_update",
            "_npu_fused_infer_attention_score_get_max_workspace",
            "_npu_fused_infer_attention_score_v2_get_max_workspace"]
 
-_INT_MAX = 2147483647
+_dispatch_modes = torch._C._len_torch_dispatch_stack      # () -> active Python dispatch modes
+_jit_tracing = torch._C._is_tracing                        # torch.jit.is_tracing() without its Python frame
+_Tensor = torch.Tensor
+_PLAIN = (_Tensor, torch.nn.Parameter)
+_SCALARS = frozenset({type(None), bool, int, float, str})
 
 
-def _run(problem):
-    backend = registry.select(problem)
-    result = run_inference(backend, problem)
-    replay.note(problem, backend)          # (for fia.replay: what ran a call that may replay later)
-    return finalize(problem, result)
+def _host_int(x):
+    """One lengths entry for the op schema: ints and torch.compile's symbolic ints as they are (int() would
+    specialize the graph on each step's lengths: a recompile per decode step), NumPy integers as ints; anything
+    else is left for the schema to reject, naming the argument."""
+    if type(x) is int or isinstance(x, torch.SymInt):
+        return x
+    try:
+        return operator.index(x)
+    except TypeError:
+        return x
 
 
-# argument dict -> problem, one per fused entry point; shared by the function, its .out variant, its
-# workspace query and its graph-mode fake kernel (fia.ops), so they all accept exactly the same calls
-def fused_problem(args: dict):
-    return parse.parse_fused(args, api="npu_fused_infer_attention_score")
+def _host_ints(name: str, v, outside_compile: bool):
+    """Lengths for the op schema: lists / tuples / NumPy arrays -> lists of ints. A tensor: under torch.compile
+    it stays (the schema rejects it: a host read inside the graph); elsewhere (FakeTensorMode, make_fx,
+    torch.jit.trace) its values are read if it has any, and recorded as constants like every other int."""
+    if isinstance(v, (list, tuple)):
+        return [_host_int(x) for x in v]
+    if isinstance(v, torch.Tensor):
+        return _tensor_lengths(name, v) if outside_compile else v
+    if hasattr(v, "tolist"):                                           # NumPy array
+        return [_host_int(x) for x in v.tolist()]
+    return v
 
 
-def v2_problem(args: dict):
-    args = dict(args)
-    unknown = args.pop("unknown", None) or {}     # the keywords the v2 signature collected
-    return parse.parse_v2(args, unknown)
+def _tensor_lengths(name: str, t: torch.Tensor) -> list:
+    """A lengths tensor in a traced call outside torch.compile -> its values (a list of ints)."""
+    if type(t) not in _PLAIN or t.is_meta or not t.is_cpu:
+        raise input_error(name, "a list of ints, or a CPU tensor holding real values, when the call is traced or "
+                          "run on fake / meta tensors (the lengths are host values)",
+                          f"a {type(t).__name__} on {t.device.type}")
+    if t.dtype not in (torch.int32, torch.int64) or t.dim() > 1:
+        raise input_error(name, "a 1-D int32/int64 tensor or a list of ints",
+                          f"a {str(t.dtype).replace('torch.', '')} tensor of shape {tuple(t.shape)}")
+    if _jit_tracing():
+        warnings.warn(f"{name}: the lengths tensor's values are recorded in the trace as constants; a call with "
+                      "other lengths replays these", torch.jit.TracerWarning, stacklevel=4)
+    with warnings.catch_warnings():                     # (the tracer's own, unnamed warning: the one above says it)
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        return [int(x) for x in t.detach().numpy().tolist()]
 
 
-def v2_results(problem, out, lse):
-    """v2's return convention: with return_softmax_lse off, a (1,) float32 zero tensor (its document)."""
-    if not problem.want_lse:
-        lse = out.new_zeros(1, dtype=torch.float32)
-    return out, lse
+def _traced_call(spec: OpSpec, query, key, value, kwargs: dict, out: bool = False, outside_compile: bool = False):
+    kw = {k: (_host_ints(k, v, outside_compile) if k in INT_LISTS and v is not None else v)
+          for k, v in kwargs.items()}
+    if isinstance(key, (list, tuple)) and isinstance(value, (list, tuple)):
+        if out:
+            raise FiaUnsupportedError(f"{spec.name}.out: graph mode has no .out overload for tensor-list "
+                                      "key/value; call the functional form", {})
+        return op(spec.name, kv_list=True)(query, list(key), list(value), **kw)
+    return op(spec.name, out=out)(query, key, value, **kw)
 
 
-def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_mask=None, actual_seq_lengths=None,
-                                    actual_seq_lengths_kv=None, dequant_scale1=None, quant_scale1=None,
-                                    dequant_scale2=None, quant_scale2=None, quant_offset2=None, antiquant_scale=None,
-                                    antiquant_offset=None, key_antiquant_scale=None, key_antiquant_offset=None,
-                                    value_antiquant_scale=None, value_antiquant_offset=None, block_table=None,
-                                    query_padding_size=None, kv_padding_size=None, key_shared_prefix=None,
-                                    value_shared_prefix=None, actual_shared_prefix_len=None, query_rope=None,
-                                    key_rope=None, key_rope_antiquant_scale=None, dequant_scale_query=None,
-                                    num_heads=1, scale=1.0, pre_tokens=_INT_MAX, next_tokens=_INT_MAX,
-                                    input_layout="BSH", num_key_value_heads=0, sparse_mode=0, inner_precise=0,
-                                    block_size=0, antiquant_mode=0, key_antiquant_mode=0, value_antiquant_mode=0,
-                                    query_quant_mode=0, softmax_lse_flag=False):
-    """FusedInferAttentionScore (prefill and decode in one op). Returns (attention_out, softmax_lse).
-
-    attention_out has the query's layout with D replaced by the value head dim (SPEC 2, 13);
-    softmax_lse is float32 [B, N, Q_S, 1] ([T, N, 1] for TND layouts) when softmax_lse_flag, else an
-    empty float32 tensor of shape [0].
-    """
-    args = dict(locals())
-    return _run(fused_problem(args))
-
-
-def npu_incre_flash_attention(query, key, value, *, padding_mask=None, pse_shift=None, atten_mask=None,
-                              actual_seq_lengths=None, dequant_scale1=None, quant_scale1=None, dequant_scale2=None,
-                              quant_scale2=None, quant_offset2=None, antiquant_scale=None, antiquant_offset=None,
-                              block_table=None, kv_padding_size=None, num_heads=1, scale_value=1.0,
-                              input_layout="BSH", num_key_value_heads=0, block_size=0, inner_precise=1):
-    """IncreFlashAttention: decode only (Q_S == 1); `actual_seq_lengths` are the KV lengths. Returns attention_out."""
-    args = dict(locals())
-    problem = parse.parse_incre(args)
-    out, _ = _run(problem)
-    return out
+def _graph_call(query, key, value, kwargs: dict) -> bool:
+    """Whether a call outside torch.compile must take the custom op (its fake kernel, or a tracer's record of
+    it; never FIA's kernels on these tensors): a dispatch mode is active (FakeTensorMode, make_fx,
+    functionalization), torch.jit.trace records, the query is a meta tensor (a shape-only call), or a tensor is
+    not a plain tensor (FakeTensor, FunctionalTensor, any other subclass). A meta tensor beside a real query is
+    the eager call's device error."""
+    if _dispatch_modes() or _jit_tracing():
+        return True
+    if isinstance(query, _Tensor) and query.is_meta:
+        return True
+    if type(query) is _Tensor and type(key) is _Tensor and type(value) is _Tensor and \
+            _SCALARS.issuperset(map(type, kwargs.values())):
+        return False                                        # the common call: no other tensor
+    for x in (query, key, value, *kwargs.values()):
+        t = type(x)
+        if t in _SCALARS or t is _Tensor:
+            continue
+        if t is list or t is tuple:                         # tensor-list KV, lengths
+            for y in x:
+                if isinstance(y, _Tensor) and type(y) not in _PLAIN:
+                    return True
+        elif isinstance(x, _Tensor) and t not in _PLAIN:
+            return True
+    return False
 
 
-def npu_prompt_flash_attention(query, key, value, *, padding_mask=None, atten_mask=None, pse_shift=None,
-                               actual_seq_lengths=None, deq_scale1=None, quant_scale1=None, deq_scale2=None,
-                               quant_scale2=None, quant_offset2=None, num_heads=1, scale_value=1.0,
-                               pre_tokens=_INT_MAX, next_tokens=0, input_layout="BSH", num_key_value_heads=0,
-                               actual_seq_lengths_kv=None, sparse_mode=0):
-    """PromptFlashAttention (prefill). next_tokens defaults to 0; sparse_mode 10..14 = high precision mode-10.
+def _routed(spec: OpSpec, pair: Optional[bool] = None):
+    """The public function of spec: the custom op while torch.compile traces (or `_graph_call`), else the eager
+    function. With `pair` set (the attention entry points: True returns (out, lse), False out alone), repeated
+    eager calls replay their backend's prepared launch (fia.replay)."""
+    fn = spec.fn
+    name = spec.name
 
-    Returns attention_out.
-    """
-    args = dict(locals())
-    problem = parse.parse_prompt(args)
-    out, _ = _run(problem)
-    return out
-
-
-def npu_fused_infer_attention_score_v2(query, key, value, *, query_rope=None, key_rope=None, pse_shift=None,
-                                       atten_mask=None, actual_seq_qlen=None, actual_seq_kvlen=None,
-                                       block_table=None, dequant_scale_query=None, dequant_scale_key=None,
-                                       dequant_offset_key=None, dequant_scale_value=None, dequant_offset_value=None,
-                                       dequant_scale_key_rope=None, quant_scale_out=None, quant_offset_out=None,
-                                       learnable_sink=None, num_query_heads=1, num_key_value_heads=0,
-                                       softmax_scale=1.0, pre_tokens=_INT_MAX, next_tokens=_INT_MAX,
-                                       input_layout="BSH", sparse_mode=0, block_size=0, query_quant_mode=0,
-                                       key_quant_mode=0, value_quant_mode=0, inner_precise=0,
-                                       return_softmax_lse=False, query_dtype=None, key_dtype=None, value_dtype=None,
-                                       query_rope_dtype=None, key_rope_dtype=None, key_shared_prefix_dtype=None,
-                                       value_shared_prefix_dtype=None, dequant_scale_query_dtype=None,
-                                       dequant_scale_key_dtype=None, dequant_scale_value_dtype=None,
-                                       dequant_scale_key_rope_dtype=None, **unknown):
-    """FusedInferAttentionScoreV4 under its newer names (SPEC 1.1b). Returns (attention_out, softmax_lse);
-    with return_softmax_lse=False the second output is a (1,) float32 zero tensor."""
-    args = dict(locals())
-    problem = v2_problem(args)
-    return v2_results(problem, *_run(problem))
+    @functools.wraps(fn)
+    def wrapper(query, key, value, **kwargs):
+        if torch.compiler.is_compiling():
+            return _traced_call(spec, query, key, value, kwargs)
+        # a replay key means plain CPU tensors only: then only modes and jit tracing are left to rule out (~90 ns)
+        rk = replay.key_of(name, query, key, value, kwargs) if pair is not None else None
+        if rk is None:
+            if _graph_call(query, key, value, kwargs):
+                return _traced_call(spec, query, key, value, kwargs, outside_compile=True)
+            return fn(query, key, value, **kwargs)
+        if _dispatch_modes() or _jit_tracing():
+            return _traced_call(spec, query, key, value, kwargs, outside_compile=True)
+        res = replay.run(rk, query, key, value, kwargs)
+        if res is not None:
+            return res if pair else res[0]
+        res, ran = replay.capture(fn, query, key, value, **kwargs)
+        replay.admit(rk, ran, query, key, value, res if pair else (res,), kwargs)
+        return res
+    return wrapper
 
 
-def npu_attention_update(lse, local_out, update_type=0):
-    """Merge partial attention results of the same rows over disjoint key sets (SPEC 1.1b).
+def _routed_out(spec: OpSpec):
+    eager = spec.fn.out
 
-    lse: list of K float32 [R]; local_out: list of K [R, D]. Returns (out [R, D] in local_out's dtype,
-    lse_out [R] float32 when update_type == 1 else None)."""
-    from .merge import attention_update
-    return attention_update(lse, local_out, update_type)
+    @functools.wraps(eager)
+    def out_fn(query, key, value, *, workspace=None, out=None, attention_out=None, softmax_lse=None, **kwargs):
+        compiling = torch.compiler.is_compiling()
+        # (the inputs decide: a caller's output on the wrong device is the eager .out's input error)
+        if compiling or _graph_call(query, key, value, kwargs):
+            a, lse, _ = caller_outputs(out, attention_out, softmax_lse)
+            _traced_call(spec, query, key, value, dict(kwargs, workspace=workspace, attention_out=a,
+                                                       softmax_lse=lse), out=True, outside_compile=not compiling)
+            return a, lse             # the caller's own tensors (the op mutated them)
+        return eager(query, key, value, workspace=workspace, out=out, attention_out=attention_out,
+                     softmax_lse=softmax_lse, **kwargs)
+    return out_fn
 
 
-# ---------------------------------------------------------------------------------- out= variants (SPEC 1.1b)
-npu_fused_infer_attention_score.out = out_variant(npu_fused_infer_attention_score, fused_problem, "softmax_lse_flag")
-npu_fused_infer_attention_score_v2.out = out_variant(npu_fused_infer_attention_score_v2, v2_problem,
-                                                     "return_softmax_lse")
-_npu_fused_infer_attention_score_get_max_workspace = workspace_query(
-    npu_fused_infer_attention_score, fused_problem, "_npu_fused_infer_attention_score_get_max_workspace")
-_npu_fused_infer_attention_score_v2_get_max_workspace = workspace_query(
-    npu_fused_infer_attention_score_v2, v2_problem, "_npu_fused_infer_attention_score_v2_get_max_workspace")
+def _routed_update(fn):
+    @functools.wraps(fn)
+    def wrapper(lse, local_out, update_type=0):
+        if torch.compiler.is_compiling() and isinstance(lse, (list, tuple)) and isinstance(local_out, (list, tuple)):
+            return torch.ops.fia.npu_attention_update(list(lse), list(local_out), update_type)
+        return fn(lse, local_out, update_type)
+    return wrapper
+
+
+npu_fused_infer_attention_score = _routed(OPS["npu_fused_infer_attention_score"], pair=True)
+npu_incre_flash_attention = _routed(OPS["npu_incre_flash_attention"], pair=False)
+npu_prompt_flash_attention = _routed(OPS["npu_prompt_flash_attention"], pair=False)
+npu_fused_infer_attention_score_v2 = _routed(OPS["npu_fused_infer_attention_score_v2"])
+_npu_fused_infer_attention_score_get_max_workspace = _routed(OPS["_npu_fused_infer_attention_score_get_max_workspace"])
+_npu_fused_infer_attention_score_v2_get_max_workspace = _routed(
+    OPS["_npu_fused_infer_attention_score_v2_get_max_workspace"])
+npu_attention_update = _routed_update(eager.npu_attention_update)
+# functools.wraps copied the eager .out attribute; the public one routes too
+npu_fused_infer_attention_score.out = _routed_out(OPS["npu_fused_infer_attention_score"])
+npu_fused_infer_attention_score_v2.out = _routed_out(OPS["npu_fused_infer_attention_score_v2"])

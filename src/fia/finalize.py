@@ -12,8 +12,9 @@ import torch
 
 from .backends.base import BackendResult
 from .errors import ACLNN_ERR_PARAM_NULLPTR, input_error
-from .spec.layout import from_canonical, output_shape
-from .spec.problem import AttentionProblem
+from .problem.layout import from_canonical
+from .problem.attention import AttentionProblem
+from .problem.outputs import expected_outputs
 
 
 def finalize(p: AttentionProblem, r: BackendResult):
@@ -31,13 +32,6 @@ def finalize(p: AttentionProblem, r: BackendResult):
 
 
 # ---------------------------------------------------------------------------------- caller-allocated outputs
-def expected_outputs(p: AttentionProblem) -> Tuple[tuple, torch.dtype, tuple]:
-    """(attention_out shape, attention_out dtype, lse shape) exactly as `finalize` produces them."""
-    out = output_shape(p.layout.out, p.B, p.N, p.Q_S, p.Dv, p.T)
-    lse = (p.T, p.N, 1) if p.packed else (p.B, p.N, p.Q_S, 1)
-    return tuple(out), p.out_dtype, lse
-
-
 def _dt(d: torch.dtype) -> str:
     return str(d).replace("torch.", "")
 

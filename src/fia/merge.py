@@ -47,7 +47,6 @@ def attention_update(lse: Sequence[torch.Tensor], local_out: Sequence[torch.Tens
     # an int (a tensor or list would make `in (0, 1)` compare elementwise)
     if isinstance(update_type, bool) or not isinstance(update_type, numbers.Integral) or update_type not in (0, 1):
         raise input_error("update_type", "0 (no lse output) or 1 (lse output)", repr(update_type))
-    r = None
     for i, (l, o) in enumerate(zip(lse, local_out)):
         if not isinstance(l, torch.Tensor) or l.dtype != torch.float32 or l.dim() != 1:
             raise input_error("lse", "float32 [R] tensors", f"element {i}: " + (

@@ -185,7 +185,7 @@ def admit(key: tuple, ran, q, k, v, results: tuple, kw: dict) -> None:
     elif problem.memo_key is None:                 # not yet memoized: maybe the next time
         return
     make: Optional[Callable] = getattr(backend, "replay", None)
-    if make is None:                               # (not marked: a tier's stand-in may have run it, fia.jit)
+    if make is None:                               # (not marked: a tier's stand-in may have run it, fia.cpu.jit)
         return
     r = make(problem, q, k, v, lengths=lens is not None, extras=_extras(key, kw))
     got = None if r is None else _replayed(r, key, q, k, v, kw)

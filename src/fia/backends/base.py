@@ -8,7 +8,10 @@ from typing import List, Optional, Tuple
 import torch
 
 from ..errors import FiaMemoryError
-from ..spec.problem import AttentionProblem
+from ..problem.attention import AttentionProblem
+
+# backend ranks (Backend.priority): the CPU backends above the torch backend above the reference
+PRIORITY_REFERENCE, PRIORITY_TORCH, PRIORITY_PREFILL, PRIORITY_DECODE = 0, 10, 50, 60
 
 
 @dataclass
@@ -21,7 +24,7 @@ class BackendResult:
 
 class Backend:
     name: str = "?"
-    priority: int = 0                 # higher runs first
+    priority: int = 0                 # higher runs first (the PRIORITY_* ranks below)
     devices: tuple = ("cpu", "cuda")  # device types it runs on
 
     def not_supported_reasons(self, p: AttentionProblem) -> List[str]:
@@ -39,7 +42,7 @@ class Backend:
         return self.priority
 
     def kernel_sets(self, p: AttentionProblem) -> Tuple[str, ...]:
-        """The compiled kernel sets (fia.jit.KERNEL_SETS) running p needs; () for a backend that compiles
+        """The compiled kernel sets (fia.cpu.jit.KERNEL_SETS) running p needs; () for a backend that compiles
         nothing. While they are not loaded, automatic selection runs p on the best backend whose sets are."""
         return ()
 

@@ -9,9 +9,9 @@ from typing import List, Optional
 
 import torch
 
-from ..spec.problem import MASK_FILL, AttentionProblem, BatchGeometry
-from ..spec.quant import FullQuant, round_half_even_saturate_int8, unpack_int4
-from .base import Backend, BackendResult
+from ..problem.attention import MASK_FILL, AttentionProblem, BatchGeometry
+from ..problem.quant import FullQuant, round_half_even_saturate_int8, unpack_int4
+from .base import PRIORITY_REFERENCE, Backend, BackendResult
 
 
 def band_outside(p: AttentionProblem, g: BatchGeometry, device) -> Optional[torch.Tensor]:
@@ -147,7 +147,7 @@ def attend_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fq: FullQuant
 
 class ReferenceBackend(Backend):
     name = "reference"
-    priority = 0
+    priority = PRIORITY_REFERENCE
 
     def not_supported_reasons(self, p: AttentionProblem) -> List[str]:
         return super().not_supported_reasons(p)

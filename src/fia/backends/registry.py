@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from typing import Dict, List
 
-from .. import jit
+from ..cpu import jit
 from ..config import get_backend, use_backend
 from ..errors import FiaBackendUnavailable, FiaUnsupportedError
-from ..spec.problem import AttentionProblem
+from ..problem.attention import AttentionProblem
 from .base import Backend
 from .reference import ReferenceBackend
 
@@ -40,7 +40,7 @@ _MAX_CHOICES = 256
 
 def select(p: AttentionProblem) -> Backend:
     """The backend that runs p: the forced one (fia.use_backend), else the most preferred able one -- or, while
-    that one's compiled kernels are not built, the best able one whose are (fia.jit tiers).
+    that one's compiled kernels are not built, the best able one whose are (fia.cpu.jit tiers).
 
     Backends decide from the problem's metadata only (Backend.not_supported_reasons, kernel_sets), so the
     choice is memoized per parse-memo key; problems parsed without the memo decide every time."""
@@ -102,6 +102,6 @@ def _select(p: AttentionProblem) -> Backend:
     return max(able, key=lambda b: b.preference(p))
 
 
-from .prefill import PrefillBackend as _Prefill; register(_Prefill())  # noqa: E402,E702  issue 8: fast CPU prefill
-from .decode import DecodeBackend as _Decode; register(_Decode())  # noqa: E402,E702  issue 7: fast CPU decode
-from .torch_backend import TorchBackend as _Torch; register(_Torch())  # noqa: E402,E702  torch ops, any device
+from .prefill.backend import PrefillBackend as _Prefill; register(_Prefill())  # noqa: E402,E702  issue 8: fast CPU prefill
+from .decode.backend import DecodeBackend as _Decode; register(_Decode())  # noqa: E402,E702  issue 7: fast CPU decode
+from .torchops.backend import TorchBackend as _Torch; register(_Torch())  # noqa: E402,E702  torch ops, any device

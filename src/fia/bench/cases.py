@@ -250,7 +250,7 @@ def build(case: Case, seed: int = 0) -> Inputs:
     dt = case.torch_dtype
     B, N, KV_N, D, S_q, S_kv = case.B, case.N, case.KV_N, case.D, case.S_q, case.S_kv
     randn = lambda *shape: torch.randn(*shape, generator=g, dtype=dt)  # noqa: E731
-    kv = randn if case.layout == "BNSD" else lambda *shape: _token_major(*shape, randn=randn)  # noqa: E731
+    kv = randn if case.layout == "BNSD" else lambda *shape: _token_major(*shape, randn=randn)
     q = kv(B, N, S_q, D)                                               # [B, N, S_q, D]
     inp = Inputs(case, q, None, None)
     if case.storage == "dense":

@@ -472,7 +472,7 @@ def _progress(cases, progress: bool):
 def run_all(cases: list[C.Case], ceilings, opts: Options, fia=None, progress: bool = True,
             probe=None) -> list[dict]:
     if fia is None:
-        import fia  # noqa: F811  (the package under test)
+        import fia  # the package under test
     records = []
     bar = _progress(cases, progress)
     for case in bar:

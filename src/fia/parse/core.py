@@ -11,7 +11,7 @@ import torch
 
 from ..config import is_strict
 from ..errors import FiaUnsupportedError
-from ..spec.problem import AttentionProblem, BatchGeometry
+from ..problem.attention import AttentionProblem, BatchGeometry
 from . import lengths as L
 from . import masking as M
 from . import memo
@@ -19,7 +19,7 @@ from . import quant as QT
 from . import sequence as Q
 from . import tensors as T
 from .context import Ctx, describe, dtype_name
-from .later import reject_unimplemented
+from .unimplemented import reject_unimplemented
 from .paged import paged_kv
 
 
@@ -114,7 +114,6 @@ def _parse(a: dict, api: str, aliases: Optional[dict], decode_only: bool) -> Att
             kv_phys = tuple(kv_off[i + 1] - kv_off[i] for i in range(b))
     kd = T.raw_kv_dtypes(key, value)[0]
     if key_rope is not None:
-        rope_dt = torch.float16 if kd == torch.int8 else kd
         if key_rope.dtype != q_rope.dtype or (kd != torch.int8 and key_rope.dtype != kd):
             raise ctx.err("key_rope", f"dtype {dtype_name(q_rope.dtype)} (query_rope's, and the key's)",
                           f"dtype {dtype_name(key_rope.dtype)}")
@@ -174,7 +173,7 @@ def _parse(a: dict, api: str, aliases: Optional[dict], decode_only: bool) -> Att
         for i, g in enumerate(geometry):   # the documents say act_q < act_kv; SPEC 15.11 allows ==
             if g.s1 > g.s2:
                 raise ctx.hw("actual_seq_lengths", "per-batch query length <= KV length for TND with "
-                             f"sparse_mode 3", f"batch {i}: {g.s1} > {g.s2}")
+                             "sparse_mode 3", f"batch {i}: {g.s1} > {g.s2}")
     mask = M.build_mask(ctx, a["atten_mask"], mode, pre, nxt, ignore_sparse=decode and q_rope is None,
                         decode_shapes=decode, packed=layout.packed, left_padded=qpad_on or kvpad_on,
                         row_fix=bool(ip & 2), b=b, q_s=q_s, kv_s=kv_ext)
@@ -223,7 +222,7 @@ def _parse(a: dict, api: str, aliases: Optional[dict], decode_only: bool) -> Att
 
 # arguments whose values are only read on the host (ctx.host rejects meta): they may live on any device --
 # torch_npu's int[] lengths, and the block table / padding sizes / per-tensor int8 scales, which graph mode
-# replaces by CPU stand-ins while tracing (fia.ops._HOST_READ) whatever the query's device
+# replaces by CPU stand-ins while tracing (fia.graph._HOST_READ) whatever the query's device
 _HOST_ARGS = ("actual_seq_lengths", "actual_seq_lengths_kv", "actual_shared_prefix_len", "block_table",
               "query_padding_size", "kv_padding_size", "dequant_scale1", "quant_scale1", "dequant_scale2")
 

@@ -5,7 +5,7 @@ from typing import Optional
 
 import torch
 
-from ..spec.problem import PRE_NEXT_CLAMP, MaskSpec
+from ..problem.attention import PRE_NEXT_CLAMP, MaskSpec
 from .context import Ctx
 
 MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)

@@ -32,9 +32,9 @@ import numpy as np
 import torch
 
 from ..config import is_strict
-from ..spec.layout import to_canonical
-from ..spec.problem import AttentionProblem, PagedKV
-from ..spec.quant import AntiQuant, KVDequant
+from ..problem.layout import to_canonical
+from ..problem.attention import AttentionProblem, PagedKV
+from ..problem.quant import AntiQuant, KVDequant
 from .paged import bad_block, cache_view, table_host
 
 _Tensor = torch.Tensor
@@ -166,7 +166,7 @@ class _AntiquantRecipe(NamedTuple):
         r = _AntiquantRecipe(tuple(slots), (aq.key.granularity, aq.value.granularity), aq.int4)
         try:
             again = r.rebuild(a)
-        except Exception:  # noqa: BLE001 - any mismatch: not memoized
+        except Exception:  # any mismatch: not memoized
             return None
         same = all((x is None and y is None) or (x is not None and y is not None and x.data_ptr() == y.data_ptr()
                                                  and x.shape == y.shape and x.stride() == y.stride())

@@ -7,8 +7,8 @@ from typing import Optional, Tuple
 import numpy as np
 import torch
 
-from ..spec.layout import Layout
-from ..spec.problem import PagedKV
+from ..problem.layout import Layout
+from ..problem.attention import PagedKV
 from .context import Ctx, dtype_name
 from .tensors import QueryDims
 

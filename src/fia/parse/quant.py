@@ -8,8 +8,8 @@ from typing import Optional
 import torch
 
 from ..errors import FiaUnsupportedError
-from ..spec.problem import BatchGeometry, MaskSpec
-from ..spec.quant import AntiQuant, FullQuant, KVDequant, OutputQuant, QueryDequant
+from ..problem.attention import MaskSpec
+from ..problem.quant import AntiQuant, FullQuant, KVDequant, OutputQuant, QueryDequant
 from .context import Ctx, dtype_name
 
 COMBINED = ("antiquant_scale", "antiquant_offset")
@@ -342,7 +342,7 @@ def output_quant(ctx: Ctx, a: dict, *, q_dtype, n: int, dv: int, out_layout: str
                       "support left padding)", qs)
     if mask.kind == "band" and mask.sparse_mode == 4 and (mask.pre < 0 or mask.next < 0):
         raise ctx.err("pre_tokens" if mask.pre < 0 else "next_tokens",
-                      "non-negative pre_tokens/next_tokens with sparse_mode 4 and int8 output", 
+                      "non-negative pre_tokens/next_tokens with sparse_mode 4 and int8 output",
                       f"pre_tokens = {mask.pre}, next_tokens = {mask.next}")
     if off is not None and mask.kind == "band":
         for i, g in enumerate(geometry):

@@ -5,8 +5,8 @@ from typing import Optional
 
 import torch
 
-from ..spec.layout import Layout, to_canonical
-from ..spec.problem import SharedPrefix
+from ..problem.layout import Layout, to_canonical
+from ..problem.attention import SharedPrefix
 from .context import Ctx, dtype_name
 from .tensors import QueryDims, heads_and_dim
 

@@ -6,8 +6,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..spec.layout import LAYOUTS, Layout, heads_dim, seq_dim, to_canonical
-from ..spec.problem import DenseKV, ListKV, PackedKV
+from ..problem.layout import LAYOUTS, Layout, heads_dim, seq_dim, to_canonical
+from ..problem.attention import DenseKV, ListKV, PackedKV
 from .context import Ctx, describe, dtype_name
 
 FLOAT_STRICT = (torch.float16, torch.bfloat16)

@@ -1,0 +1,201 @@
+"""The decode backend: Q_S <= 16 on the CPU, Numba kernels (kernels.py). This module is its adapter (what it
+supports, prefers, describes; plan / launch); the stages live beside it: inputs.py (what the kernels read of a
+call), plan.py (what follows from metadata, memoized), execute.py (launch and merge), replay.py (fia.replay's
+re-launch of a kept plan).
+
+Design (issue 7):
+* grouped heads: one work item owns one KV head and all its G * Q_S query rows, so every K/V row is
+  read once per item and used by the whole group (no repeat of K/V, no per-head re-reads);
+* split-KV: work items are (batch, KV head, key range); long sequences are cut into ranges so that
+  every core gets work, and the partials are merged through their LSEs (the math of merge.py's
+  merge_partials, done inside the `merge` kernel);
+* KV in place: dense / packed / tensor-list / paged caches are read where they are. Key position p
+  of batch b lives at element `table[b, p // bs] * stride_block + h * stride_head + (p % bs) *
+  stride_slot` of the cache's storage (paged: the block table; dense: table = batch index, bs = inf);
+* fused dequantization: int8 / int4 K and V are widened per row inside the loop; per-channel,
+  per-tensor and per-head factors are folded into the query (key) and the epilogue (value),
+  per-token factors are applied per key;
+* shared prefix: a separate pass reads the prefix once for a group of batches (all of them while
+  G * Q_S * batches <= PREFIX_ROWS), and its partials are merged like one more split;
+* masks, pse_shift, band geometry (Q_S > 1), left padding, lengths, learnable sink, row-invalid
+  correction: applied in the kernels with the reference's rules (MASK_FILL, dead rows);
+* output quantization, dtype and layout: the shared epilogue (finalize.py).
+
+Host-side work per call is small on purpose (the small-call target): a handful of int64 arrays
+describe the problem, the query is read in place by the kernel (converted, scaled and dequantized per
+item), and the planning (splits) is a compiled function. That plan follows from metadata only, so it
+is built once per parse-memo signature (plan.plan_of); a call then only passes its buffers' addresses.
+
+Not supported (declared in not_supported_reasons, so dispatch falls back): Q_S > 16, full int8
+quantization (prefill only anyway), float64 compute, non-CPU tensors, K/V/rope/prefix whose last
+dimension is not contiguous.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from ...problem.attention import AttentionProblem
+from ..base import PRIORITY_DECODE, PRIORITY_PREFILL, Backend, BackendResult
+from ..reference import ReferenceBackend
+from . import loader, plan as decode_plan
+from .execute import execute
+from .inputs import FUSED_KIND, KINDS, Inputs, inner_contiguous
+from .loader import numba_available
+from .plan import Launch, Plan, plan_of
+from .replay import Replay, prepare
+
+MAX_Q_S = 16
+PREFILL_ROWS = 128          # Q_S > 1 with more rows per KV head than this: prefer the prefill backend
+_KERNEL_SETS = ("decode",)  # fia.cpu.jit: the decode_kernels entry points every call runs
+_KERNEL_SETS_GENERIC = ("decode", "decode-generic")
+
+
+class DecodeBackend(Backend):
+    """Fast CPU decode: Q_S <= 16, grouped heads, split-KV, fused dequant, paged KV in place."""
+    name = "decode"
+    priority = PRIORITY_DECODE            # above prefill: Q_S <= 16 comes here
+    devices = ("cpu",)       # Numba CPU kernels
+
+    def not_supported_reasons(self, p: AttentionProblem) -> List[str]:
+        r = super().not_supported_reasons(p)
+        if not numba_available():
+            r.append("numba is not installed")
+        if p.Q_S > MAX_Q_S:
+            r.append(f"Q_S = {p.Q_S} > {MAX_Q_S} (decode backend: Q_S <= {MAX_Q_S})")
+        if p.full_quant is not None:
+            r.append("full int8 quantization (int8 query, key and value)")
+        if p.compute_dtype != torch.float32:
+            r.append(f"compute dtype {p.compute_dtype} (float32 only)")
+        kv = p.kv
+        if kv.kind == "list":
+            ts = list(kv.keys) + list(kv.values) + list(kv.key_ropes or ())
+        else:
+            ts = [kv.key, kv.value, kv.key_rope]
+        if p.prefix is not None:
+            ts += [p.prefix.key, p.prefix.value]
+        if not all(inner_contiguous(t) for t in ts):
+            r.append("key/value (or rope/prefix) with a non-contiguous last dimension")
+        for t in ts + [p.query, p.query_rope, p.pse]:
+            if t is not None and t.dtype not in KINDS:
+                r.append(f"dtype {t.dtype}")
+                break
+        if p.prefix is not None and any(g.kv_lo != 0 for g in p.geometry):
+            r.append("shared prefix with a KV window not starting at 0")
+        return r
+
+    def preference(self, p: AttentionProblem) -> int:
+        """Q_S > 1 with more than PREFILL_ROWS query rows per KV head: rank below the prefill backend, which
+        is faster there for fp16 (measured, docs/PERF_DECODE.md iteration 11 and session 9: at 256 rows
+        decode / prefill bf16 17.6 / 35.7 ms, fp16 33.2 / 24.6; at 128 rows and below decode wins for bf16,
+        fp16 and float32); it still runs when forced."""
+        if p.Q_S > 1 and p.G * p.Q_S > PREFILL_ROWS:
+            return PRIORITY_PREFILL - 1
+        return self.priority
+
+    def kernel_sets(self, p: AttentionProblem):
+        """fia.cpu.jit: the decode set; with the generic float32 loops too where the IR kernels do not cover K / V
+        (what Source.generic decides per source, here from the problem's metadata)."""
+        kv = p.kv
+        k, v = (kv.keys[0], kv.values[0]) if kv.kind == "list" else (kv.key, kv.value)
+        rope = getattr(kv, "key_rope", None) is not None or getattr(kv, "key_ropes", None) is not None
+        fused = (FUSED_KIND.get(KINDS.get(k.dtype)) and FUSED_KIND.get(KINDS.get(v.dtype)) and not rope
+                 and k.shape[-1] % 16 == 0 and v.shape[-1] % 16 == 0)
+        return _KERNEL_SETS if fused else _KERNEL_SETS_GENERIC
+
+    def describe(self, p: AttentionProblem) -> Optional[str]:
+        if p.B == 0 or p.N == 0 or p.Q_S == 0 or (p.packed and p.T == 0) or (p.Dv == 0 and not p.want_lse):
+            return "kernels: none (empty output)"
+        if p.Dv == 0:
+            return "kernels: none (empty output; the lse by the reference's formulas)"
+        K = loader.kernels()
+        x = Inputs(p)
+        if x.exceptional:
+            return "kernels: none (NaN, infinite or huge dequant factors: the reference's element-wise formulas)"
+        plan = plan_of(p, x, K)
+        names = []
+        for launch in plan.own + [plan.prefix]:
+            if launch is not None:
+                name = _kernel_names(K, launch)
+                if name not in names:
+                    names.append(name)
+        return "kernels: " + " | ".join(names)
+
+    def plan(self, p: AttentionProblem) -> Optional[Plan]:
+        """p's plan (plan.py: metadata only, memoized per parse-memo key); None where no kernel runs (an empty
+        output, head dim 0)."""
+        if _no_kernel(p):
+            return None
+        return plan_of(p, None, loader.kernels())
+
+    def launch(self, p: AttentionProblem, plan: Optional[Plan]) -> BackendResult:
+        """Run p on its plan (`plan(p)`; None: looked up, or built from p's inputs, here)."""
+        if _no_kernel(p):
+            return _no_kernel_result(p)
+        K = loader.kernels()
+        x = Inputs(p)
+        if x.exceptional:
+            return _reference(p)
+        return execute(p, x, plan_of(p, x, K) if plan is None else plan, K)
+
+    def run(self, p: AttentionProblem) -> BackendResult:
+        """launch(p, plan(p)), with the call's inputs made once (the plan, where it is built, reads them)."""
+        return self.launch(p, None)
+
+    def replay(self, p: AttentionProblem, query, key, value, lengths: bool = False,
+               extras: tuple = ()) -> Optional[Replay]:
+        """fia.replay's prepared launch of p's call: p's plan kept and re-launched per call (replay.prepare)."""
+        return prepare(p, query, key, value, lengths, extras)
+
+
+def _kernel_names(K, launch: Launch) -> str:
+    """The kernels of one launch in words (K.kernel_flags decides them; fia.explain shows this)."""
+    f = int(K.kernel_flags(launch.ip))
+
+    def one(step, dp, i8, fma, amx, eo):
+        if f & amx:
+            return f"{step} bf16 AMX tiles (16-key blocks; the rest AVX512-BF16)"
+        if f & dp:
+            return f"{step} bf16 dot products (AVX512-BF16)"
+        if f & i8:
+            return f"{step} int16 x int8 dot products ({K.I8_DOT})"
+        if f & fma:
+            return f"{step} float32 FMA" + (" (bf16 in even / odd halves)" if f & eo else "")
+        return f"{step} generic float32 loops"
+    parts = [one("QK", K.KF_DP_QK, K.KF_I8_QK, K.KF_FMA_QK, K.KF_AMX_QK, K.KF_EO_QK),
+             one("PV", K.KF_DP_PV, K.KF_I8_PV, K.KF_FMA_PV, K.KF_AMX_PV, K.KF_EO_PV)]
+    ir = f & (K.KF_DP_QK | K.KF_I8_QK | K.KF_FMA_QK)        # (the generic loops never prefetch)
+    if f & K.KF_PREFETCH and ir:
+        how = ["nta" if f & K.KF_NTA else "t1"] + ([] if f & K.KF_PV_K else ["V rows only"])
+        ahead = [n for n, b in (("K", K.KF_AHEAD_K), ("V", K.KF_AHEAD_V)) if f & b]
+        if ahead:
+            how.append(f"rows ahead: {', '.join(ahead)}")
+        parts.append("software prefetch" + (f" ({'; '.join(how)})" if how else ""))
+    elif ir and K.DP_FLAGS & K.DP_PREFETCH and not launch.ip[K.IP_DP] & K.DP_PREFETCH:
+        parts.append(f"no software prefetch (at most {decode_plan.PREFETCH_MIN_BYTES >> 10} KiB of K / V: likely cached)")
+    hb = int(launch.ip[K.IP_HB])
+    if hb > 1:
+        parts.append(f"{hb} KV heads per item" + (", each chunk's rows read front to back first"
+                                                  if launch.ip[K.IP_DP] & K.DP_TOUCH else ""))
+    return ", ".join(parts)
+
+
+def _no_kernel(p: AttentionProblem) -> bool:
+    """No kernel runs p: an empty output (zeros, lse +inf) or head dim 0 (the reference's lse)."""
+    return p.B == 0 or p.N == 0 or p.Q_S == 0 or (p.packed and p.T == 0) or p.Dv == 0
+
+
+def _no_kernel_result(p: AttentionProblem) -> BackendResult:
+    if p.Dv == 0 and p.want_lse and not (p.B == 0 or p.N == 0 or p.Q_S == 0 or (p.packed and p.T == 0)):
+        return _reference(p)            # an empty output, but an lse (log of the keys' weights): the reference's
+    out = torch.zeros(p.out_shape(), dtype=torch.float32)
+    lse = torch.full(p.lse_shape(), float("inf"), dtype=torch.float32)
+    return BackendResult(out, lse if p.want_lse else None)
+
+
+def _reference(p: AttentionProblem) -> BackendResult:
+    """The call computed with the reference's formulas: for what the kernels' folded arithmetic cannot reproduce
+    (NaN / infinite / huge dequant factors applied outside the loop: their inf * 0 and overflows happen per
+    element; head dim 0: the lse alone). Degenerate inputs only."""
+    return ReferenceBackend().run(p)

@@ -1,0 +1,157 @@
+"""FIA's own flash-attention kernel for the prefill backend: bf16 (CPUs with AVX512-BF16), float16 and float32.
+
+A drop-in for the calls prefill.py makes to ATen's CPU flash kernel, with the same contract:
+    flash(q [Bq, N, L, D], k [Bq, KV_N, S, D], v [Bq, KV_N, S, Dv], is_causal, mask, scale)
+      -> out [Bq, N, L, Dv] (q's dtype), lse [Bq, N, L] float32
+    S = scale · Q Kᵀ (+ mask, additive, broadcast to [Bq, N, L, S]); top-left causal j <= i when is_causal;
+    out = softmax(S) V with float32 accumulators; bf16: the probabilities rounded to bf16 before the PV
+    product (`vdpbf16ps`, as ATen and the hardware); float16: K / V widened to float32 in registers, float32
+    probabilities and FMAs (no fp16 dot product on the CPUs measured; as the decode backend's fp16 path);
+    float32 (portable inputs, dequantized int8 K / V): the same float32 FMAs.
+Differences: a row with no finite score gets lse -inf (ATen reports 0), and Dv may differ from D.
+
+Why: on the measured machine ATen's kernel runs the benchmark's bf16 prefill at ~35 % of the bf16 matmul
+rate; the GEMMs here (prefill_simd) run at ~90 % of it in cache (docs/PERF_PREFILL.md, session 6).
+Per call: K and V are packed once into the tiles the GEMM reads (pack_items, in parallel; the size of K and
+V), then the (batch entry, kv head, query block) items run on the decode backend's thread pool with dynamic
+scheduling, causal items longest first.
+
+`eligible` says when the kernel applies: CPU tensors, bf16 / float16 / float32 q / k / v (mask / bias in the
+same dtype), head dims multiples of 64; bf16 where the CPU has AVX512-BF16 and no AMX-BF16 (ATen's kernel uses
+the tiles there, ~5x faster), float16 where it has AVX-512 and F16C, float32 where it has AVX-512
+(FIA_PREFILL_OWN=1 forces all, emulated where the instructions are missing; =0 turns the kernel off).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ...cpu.simd import target_has
+from ...cpu.gemm import F16C, HAS_DP
+
+KT = 256            # keys per tile (scores [rows, KT] float32 stay in L2 with the packed K / V tiles)
+ROWS_PER_ITEM = 96  # query rows (GQA heads x positions) per work item
+# FIA_PREFILL_OWN: "0" never use this kernel, "1" always where eligible (emulated without AVX512-BF16 / F16C);
+# unset: bf16 where the CPU has AVX512-BF16 but not AMX-BF16, float16 where it has AVX-512 and F16C, float32
+# with AVX-512. With AMX, ATen's flash kernel runs its bf16 GEMMs on the tiles: session 9, quick bench,
+# bf16 causal / band / pse at 1024: ATen 11.2 / 14.6 / 20.1 ms, this kernel 55.7 / 54.0 / 101.9 ms (fp16:
+# 39.1 vs 43.2 ms, level, kept).
+_MODE = os.environ.get("FIA_PREFILL_OWN", "")
+AMX_BF16 = target_has("amx-tile", "amx-bf16")
+ENABLED_DEFAULT = HAS_DP and not AMX_BF16
+ENABLED = {"0": False, "1": True}.get(_MODE, ENABLED_DEFAULT)
+ENABLED_F16 = {"0": False, "1": True}.get(_MODE, F16C and target_has("avx512f"))
+ENABLED_F32 = {"0": False, "1": True}.get(_MODE, target_has("avx512f"))
+ENABLED_FOR = {torch.bfloat16: lambda: ENABLED, torch.float16: lambda: ENABLED_F16, torch.float32: lambda: ENABLED_F32}
+
+
+def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> bool:
+    """Whether flash() computes this call (else the caller uses ATen's kernel)."""
+    dt = q.dtype
+    if dt not in ENABLED_FOR or not ENABLED_FOR[dt]():
+        return False
+    if q.device.type != "cpu" or not (dt == k.dtype == v.dtype):
+        return False
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return False
+    D, Dv = q.shape[-1], v.shape[-1]
+    if D % 64 or Dv % 64 or k.shape[-1] != D or D == 0 or Dv == 0:
+        return False
+    if q.shape[1] % k.shape[1] or k.shape[0] != q.shape[0] or v.shape[:3] != k.shape[:3] or k.shape[2] == 0:
+        return False
+    if mask is not None and (mask.dtype != dt or mask.dim() > 4 or mask.shape[-1] != k.shape[2] or
+                             (mask.shape[-1] > 1 and mask.stride(-1) != 1)):
+        return False                # keys read with unit stride (a strided or broadcast key axis would need a copy)
+    return True
+
+
+def _bits(x: torch.Tensor) -> np.ndarray:
+    """NumPy view (same strides) of a tensor's elements: uint16 bits of bf16 / float16, float32 as is."""
+    if x.dtype == torch.float32:
+        return x.numpy()
+    return x.view(torch.int16).numpy().view(np.uint16)
+
+
+def _mask_flat(mask: Optional[torch.Tensor], shape):
+    """(1-D NumPy view (_bits) of the elements the mask broadcast to `shape` addresses, int64 [4]: element
+    strides of its batch / head / row dims, then 1 when there is a mask, else 0)."""
+    if mask is None:
+        return np.zeros(1, np.uint16), np.zeros(4, np.int64)
+    m = mask.expand(shape)
+    return _bits(_flat(m)), np.array([*m.stride()[:3], 1], np.int64)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """The 1-D unit-stride view from t's first element through the last element t addresses (the kernels
+    index it with t's own strides)."""
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return torch.as_strided(t, (span,), (1,), t.storage_offset())
+
+
+def user_mask_ok(um: Optional[torch.Tensor]) -> bool:
+    """Whether flash() reads this user mask ([L, S], nonzero = masked) in place."""
+    return um is None or (um.dim() == 2 and um.dtype in _UMASK_BYTES and
+                          (um.shape[-1] <= 1 or um.stride(-1) == 1) and um.device.type == "cpu")
+
+
+_UMASK_BYTES = {torch.bool: 1, torch.int8: 1, torch.uint8: 1, torch.float16: 2}
+
+
+def _user_flat(um: Optional[torch.Tensor]):
+    """(uint8 1-D NumPy view of the bytes the user mask addresses, int64 [3]: row stride in bytes, bytes per
+    element, 1 when there is a mask)."""
+    if um is None:
+        return np.zeros(1, np.uint8), np.zeros(3, np.int64)
+    es = _UMASK_BYTES[um.dtype]
+    return _flat(um).view(torch.uint8).numpy(), np.array([um.stride(0) * es, es, 1], np.int64)
+
+
+def flash(q, k, v, is_causal: bool, mask: Optional[torch.Tensor], scale: float, out=None, lse=None,
+          band=None, user_mask=None):
+    """See the module doc. Call only when eligible(q, k, v, mask). out / lse: contiguous buffers to write
+    (tests poison them), else allocated. band (pre, next): row i keeps only keys i - pre <= j <= i + next
+    (with is_causal, next is capped at 0); keys outside are never computed. user_mask: [L, S] bool / int8 /
+    uint8 / float16, nonzero = masked, read in place (user_mask_ok), the same for every entry and head;
+    tiles it masks entirely are skipped."""
+    from ...cpu.threads import launch
+    from .kernels import flash_items, pack_items
+    Bq, N, L, D = q.shape
+    H, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    G = N // H
+    nt = (S + KT - 1) // KT
+    wide = q.dtype != torch.bfloat16                         # float32 query rows and probabilities
+    threads = max(1, torch.get_num_threads())
+    if wide:
+        et = np.float32 if q.dtype == torch.float32 else np.uint16
+        kp = np.empty((Bq, H, nt, D, KT), et)                # [Bq, H, nt, D, KT] key tiles transposed
+        vp = np.empty((Bq, H, nt, KT, Dv), et)               # [Bq, H, nt, KT, Dv] value tiles
+    else:
+        kp = np.empty((Bq, H, nt, D // 2, KT), np.uint32)    # [Bq, H, nt, D/2, KT] packed key tiles
+        vp = np.empty((Bq, H, nt, KT // 2, Dv), np.uint32)   # [Bq, H, nt, KT/2, Dv] packed value tiles
+    k16, v16 = _bits(k), _bits(v)
+    n_pack = Bq * H * nt
+    launch(pack_items, np.arange(n_pack, dtype=np.int64), min(threads, n_pack), (k16, v16, kp, vp, S))
+    if out is None:
+        out = torch.empty((Bq, N, L, Dv), dtype=q.dtype)          # [Bq, N, L, Dv]
+    if lse is None:
+        lse = torch.empty((Bq, N, L), dtype=torch.float32)        # [Bq, N, L]
+    mk, ms = _mask_flat(mask, (Bq, N, L, S))
+    if user_mask is not None and tuple(user_mask.shape) != (L, S):
+        raise ValueError(f"user_mask: expected shape {(L, S)}, got {tuple(user_mask.shape)}")
+    QB = max(1, ROWS_PER_ITEM // G)
+    nqb = (L + QB - 1) // QB
+    n_items = Bq * H * nqb
+    items = np.arange(n_items, dtype=np.int64)
+    big = L + S + 1
+    pre, nxt = (big, big) if band is None else (max(min(int(band[0]), big), -big), max(min(int(band[1]), big), -big))
+    if is_causal:
+        nxt = min(nxt, 0)
+    if nxt < big and pre >= big:                              # causal-like: longest (latest query block) first
+        items = items.reshape(Bq * H, nqb)[:, ::-1].T.reshape(-1).copy()
+    launch(flash_items, items, min(threads, n_items),
+            (_bits(q), kp, vp, _bits(out), lse.numpy(), mk, ms, *_user_flat(user_mask), S, pre, nxt,
+             float(scale), QB, wide))
+    return out, lse

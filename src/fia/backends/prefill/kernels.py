@@ -1,0 +1,378 @@
+"""Numba kernels of the prefill flash path (prefill_flash.py): K / V packing and the blocked online softmax.
+
+Work item = (batch entry b, kv head h, query block of QB positions): its rows are the G query heads of kv
+head h times the QB positions (row r = g * QB + ii: head h * G + g, position i0 + ii), so every packed K / V
+tile is used by the whole GQA group. Per key tile of KT keys: scores with one GEMM (prefill_simd), the online
+softmax in float32 (running max m, sum l; for bf16 the probabilities are rounded to bf16 for the PV product,
+as ATen's bf16 flash kernel and the hardware do; float16 / float32 keep them in float32), then O += P . V
+with a second GEMM. Key tiles outside every row's band window (top-left causal, or i - pre <= j <= i + next)
+and tiles a user mask covers entirely are never computed; the additive mask is read per tile. Output in the
+query's dtype (O / l rounded to nearest even) and lse = m + log(l) in float32; a row without any finite
+score gets output 0 and lse -inf.
+
+Unsigned loop indices where numba should vectorize (a signed computed index adds a wraparound select per
+element, decode_kernels.load_rows).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, types
+from numba.extending import overload
+
+from ..decode.kernels import FM, bf16_to_f32, claim, f32_to_bf16_bits, f32_to_half_bits, fexp, fp16_to_f32
+from ...cpu import kernel_cache
+from ...cpu.simd import max_f32
+from ...cpu.gemm import COLS, ROWS, gemm_bf16, gemm_f16, gemm_f32
+
+# Numba's cache of these kernels also follows the files whose code they embed (cpu/kernel_cache.py)
+kernel_cache.install()
+
+__all__ = ["COLS", "ROWS", "pack_items", "flash_items"]
+
+
+@njit(cache=True, inline="always")
+def _split(it, H, n):
+    """Item it = (b * H + h) * n + x -> (b, h, x)."""
+    return it // (n * H), (it // n) % H, it % n
+
+
+@njit(nogil=True, cache=True)
+def pack_items(items, counter, k16, v16, kp, vp, S):
+    """Pack the K and V tiles of (b, h, tile t) items (it = (b * H + h) * nt + t), taken through `counter`.
+    k16, v16: [Bq, H, S, D] (any strides), uint16 bits of bf16 / float16 or float32; keys >= S pack as zeros.
+    bf16 (kp uint32 [Bq, H, nt, D / 2, KT], vp uint32 [Bq, H, nt, KT / 2, Dv]): kp[b, h, t, p, c] =
+    (K[2p], K[2p + 1]) of key t * KT + c, vp[b, h, t, c2, d] = (V[key 2 c2, d], V[key 2 c2 + 1, d]).
+    float16 / float32 (kp [Bq, H, nt, D, KT], vp [Bq, H, nt, KT, Dv], K's element type): the key tile
+    transposed, the value rows as they are."""
+    H, nt = kp.shape[1], kp.shape[2]
+    while True:
+        it = claim(items, counter)
+        if it < 0:
+            break
+        b, h, t = _split(it, H, nt)
+        _pack_tile(k16, v16, kp, vp, S, b, h, t)
+
+
+def _pack_tile(k16, v16, kp, vp, S, b, h, t):
+    """One tile of pack_items (the packing follows kp's dtype)."""
+
+
+@overload(_pack_tile)
+def _pack_tile_impl(k16, v16, kp, vp, S, b, h, t):
+    if kp.dtype == types.uint32:
+        return lambda k16, v16, kp, vp, S, b, h, t: _pack_bf16(k16, v16, kp, vp, S, b, h, t)
+    return lambda k16, v16, kp, vp, S, b, h, t: _pack_rows(k16, v16, kp, vp, S, b, h, t)
+
+
+@njit(cache=True, inline="always")
+def _pair(lo, hi):
+    """Two bf16 bit patterns as one dword (lo in the low half): a vdpbf16ps operand pair."""
+    return np.uint32(lo) | (np.uint32(hi) << np.uint32(16))
+
+
+@njit(cache=True)
+def _pack_bf16(k16, v16, kp, vp, S, b, h, t):
+    D2, KT, Dv = kp.shape[3], kp.shape[4], vp.shape[4]
+    k0 = t * KT
+    for c in range(KT):
+        key = k0 + c
+        if key < S:
+            for p in range(D2):
+                kp[b, h, t, p, c] = _pair(k16[b, h, key, 2 * p], k16[b, h, key, 2 * p + 1])
+        else:
+            for p in range(D2):
+                kp[b, h, t, p, c] = np.uint32(0)
+    for c2 in range(KT // 2):
+        ka = k0 + 2 * c2
+        if ka + 1 < S:
+            for d in range(Dv):
+                vp[b, h, t, c2, d] = _pair(v16[b, h, ka, d], v16[b, h, ka + 1, d])
+        elif ka < S:
+            for d in range(Dv):
+                vp[b, h, t, c2, d] = np.uint32(v16[b, h, ka, d])
+        else:
+            for d in range(Dv):
+                vp[b, h, t, c2, d] = np.uint32(0)
+
+
+@njit(cache=True)
+def _pack_rows(k16, v16, kp, vp, S, b, h, t):
+    D, KT, Dv = kp.shape[3], kp.shape[4], vp.shape[4]
+    k0 = t * KT
+    for c in range(KT):
+        key = k0 + c
+        if key < S:
+            for d in range(D):
+                kp[b, h, t, d, c] = k16[b, h, key, d]
+            for d in range(Dv):
+                vp[b, h, t, c, d] = v16[b, h, key, d]
+        else:
+            for d in range(D):
+                kp[b, h, t, d, c] = 0
+            for d in range(Dv):
+                vp[b, h, t, c, d] = 0
+
+
+def _pval(pb, e):
+    """The probability e as stored for the PV product: bf16 bits (uint16 scratch) or float32 (float16 calls)."""
+
+
+@overload(_pval, jit_options={"fastmath": FM})
+def _pval_impl(pb, e):
+    if pb.dtype == types.uint16:
+        return lambda pb, e: f32_to_bf16_bits(e)
+    return lambda pb, e: e
+
+
+def _qk(qs, kt, c0, c1, sc, RP, KT, D):
+    """sc[:RP, c0:c1] = qs . key tile kt (bf16: query bits . packed pairs; float16 / float32: float32 query .
+    K^T rows)."""
+
+
+@overload(_qk)
+def _qk_impl(qs, kt, c0, c1, sc, RP, KT, D):
+    if kt.dtype == types.uint32:
+        def impl(qs, kt, c0, c1, sc, RP, KT, D):
+            gemm_bf16(qs.ctypes.data, D * 2, kt.ctypes.data + 4 * c0, KT * 4, D // 2, sc.ctypes.data + 4 * c0,
+                      KT * 4, RP, c1 - c0, 0)
+        return impl
+    if kt.dtype == types.uint16:
+        def impl_f16(qs, kt, c0, c1, sc, RP, KT, D):
+            gemm_f16(qs.ctypes.data, D * 4, kt.ctypes.data + 2 * c0, KT * 2, D, sc.ctypes.data + 4 * c0, KT * 4,
+                     RP, c1 - c0, 0)
+        return impl_f16
+
+    def impl_f32(qs, kt, c0, c1, sc, RP, KT, D):
+        gemm_f32(qs.ctypes.data, D * 4, kt.ctypes.data + 4 * c0, KT * 4, D, sc.ctypes.data + 4 * c0, KT * 4,
+                 RP, c1 - c0, 0)
+    return impl_f32
+
+
+def _pv(pb, vt, c0, c1, o, RP, KT, Dv):
+    """o[:RP] += pb[:, c0:c1] . value tile vt (bf16 pairs packed, or float16 / float32 rows)."""
+
+
+@overload(_pv)
+def _pv_impl(pb, vt, c0, c1, o, RP, KT, Dv):
+    if vt.dtype == types.uint32:
+        def impl(pb, vt, c0, c1, o, RP, KT, Dv):
+            gemm_bf16(pb.ctypes.data + 2 * c0, KT * 2, vt.ctypes.data + (c0 // 2) * Dv * 4, Dv * 4,
+                      (c1 - c0) // 2, o.ctypes.data, Dv * 4, RP, Dv, 1)
+        return impl
+    if vt.dtype == types.uint16:
+        def impl_f16(pb, vt, c0, c1, o, RP, KT, Dv):
+            gemm_f16(pb.ctypes.data + 4 * c0, KT * 4, vt.ctypes.data + c0 * Dv * 2, Dv * 2, c1 - c0,
+                     o.ctypes.data, Dv * 4, RP, Dv, 1)
+        return impl_f16
+
+    def impl_f32(pb, vt, c0, c1, o, RP, KT, Dv):
+        gemm_f32(pb.ctypes.data + 4 * c0, KT * 4, vt.ctypes.data + c0 * Dv * 4, Dv * 4, c1 - c0,
+                 o.ctypes.data, Dv * 4, RP, Dv, 1)
+    return impl_f32
+
+
+def _val(x, f16):
+    """float32 of one element: a float32 as is; uint16 bits as float16 (f16) or bf16."""
+
+
+@overload(_val, jit_options={"fastmath": FM})
+def _val_impl(x, f16):
+    if isinstance(x, types.Float):
+        return lambda x, f16: np.float32(x)
+    return lambda x, f16: fp16_to_f32(x) if f16 else bf16_to_f32(x)
+
+
+def _outv(out, x, f16):
+    """x as stored in the output array: float32, or uint16 bits of float16 (f16) / bf16."""
+
+
+@overload(_outv, jit_options={"fastmath": FM})
+def _outv_impl(out, x, f16):
+    if isinstance(out.dtype, types.Float):
+        return lambda out, x, f16: x
+    return lambda out, x, f16: f32_to_half_bits(x) if f16 else f32_to_bf16_bits(x)
+
+
+@njit(fastmath=FM, cache=True, inline="always")
+def _masked(ub, i, es):
+    """Whether the user-mask element at byte i masks its key: nonzero (bool / int8 / uint8, es = 1), or
+    a nonzero float16 value (es = 2; -0.0 keeps the key)."""
+    if es == 1:
+        return ub[i] != 0
+    return (ub[i] | (ub[i + 1] & np.uint8(0x7F))) != 0
+
+
+@njit(fastmath=FM, cache=True)
+def _tile_open(ub, us, i0, nq, k0, pre, nxt, c0, c1, nk):
+    """Whether some row i0 .. i0 + nq - 1 keeps a key of tile columns [c0, c1) (inside its band window, below
+    nk, and not user-masked). us: [row stride bytes, bytes per element, present]."""
+    for ii in range(nq):
+        i = i0 + ii
+        jlo = max(c0, i - pre - k0)
+        jhi = min(c1, nk, i + nxt + 1 - k0)
+        base = us[0] * i + us[1] * k0
+        for j in range(jlo, jhi):
+            if not _masked(ub, base + us[1] * j, us[1]):
+                return True
+    return False
+
+
+@njit(fastmath=FM, cache=True)
+def _softmax_row(sc, pb, o, m, l, r, jlo, jhi, c0, c1, scale, mask, mbase, mf16, ub, ubase, us, Dv):
+    """Online softmax of row r over the tile's scores sc[r, jlo:jhi] (the other columns of the computed
+    range [c0, c1) are masked): scores scaled (+ mask), running max / sum updated, the accumulator row
+    rescaled, probabilities into pb[r, c0:c1] (_pval; zeros outside [jlo, jhi)). mbase >= 0: the additive
+    mask of column jlo is mask[mbase] (unit stride along keys; _val: float32, or bf16 / float16 bits by
+    mf16). ubase >= 0: the user mask (us[1] bytes per element, see _masked) of column jlo starts at byte
+    ub[ubase]; its masked keys score -inf."""
+    lo, hi = np.uint64(jlo), np.uint64(max(jlo, jhi))
+    for j in range(np.uint64(c0), lo):
+        pb[r, j] = 0
+    for j in range(hi, np.uint64(c1)):
+        pb[r, j] = 0
+    if mbase >= 0 and mf16:
+        mb = np.uint64(mbase) - lo
+        for j in range(lo, hi):
+            sc[r, j] = sc[r, j] * scale + _val(mask[mb + j], True)
+    elif mbase >= 0:
+        mb = np.uint64(mbase) - lo
+        for j in range(lo, hi):
+            sc[r, j] = sc[r, j] * scale + _val(mask[mb + j], False)
+    else:
+        for j in range(lo, hi):
+            sc[r, j] = sc[r, j] * scale
+    if ubase >= 0:
+        u0 = np.uint64(ubase)
+        if us[1] == 1:
+            for j in range(lo, hi):
+                if ub[u0 + (j - lo)] != 0:
+                    sc[r, j] = np.float32(-np.inf)
+        else:
+            for j in range(lo, hi):
+                if _masked(ub, u0 + 2 * (j - lo), 2):
+                    sc[r, j] = np.float32(-np.inf)
+    cm = max_f32(sc.ctypes.data + r * sc.strides[0] + 4 * jlo, hi - lo, np.float32(-np.inf), 0)
+    mo = m[r]
+    mx = cm if cm > mo else mo
+    if mx == np.float32(-np.inf):                      # nothing finite yet: the row stays empty ...
+        for j in range(lo, hi):
+            pb[r, j] = 0
+            if sc[r, j] != sc[r, j]:                   # ... unless a score is NaN (max_f32 skips NaN)
+                l[r] = np.float32(np.nan)
+        return
+    alpha = fexp(mo - mx)
+    ls = np.float32(0.0)
+    for j in range(lo, hi):
+        e = fexp(sc[r, j] - mx)
+        ls += e
+        pb[r, j] = _pval(pb, e)
+    l[r] = l[r] * alpha + ls
+    m[r] = mx
+    if alpha != np.float32(1.0):
+        for d in range(np.uint64(Dv)):
+            o[r, d] *= alpha
+
+
+@njit(nogil=True, cache=True)
+def flash_items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pre, nxt, scale, QB, f16):
+    """Items it = (b * H + h) * nqb + qb (see the module doc), taken through the atomic `counter`.
+    q16: [Bq, N, L, D] (any strides): uint16 bits of bf16, of float16 when f16, or float32 (then f16 is set:
+    it means "float32 query rows and probabilities"); kp / vp: pack_items' tiles; out16: [Bq, N, L, Dv] in
+    q16's element type; lse: [Bq, N, L] float32; mask: an additive mask in q16's element type, element
+    (b, n, i, j) at
+    ms[0] * b + ms[1] * n + ms[2] * i + j (strides 0 where it broadcasts), read only when ms[3] != 0;
+    row i keeps keys i - pre <= j <= i + nxt (top-left causal: nxt = 0, pre >= L; no band: both >= L + S).
+    ub / us: a user mask shared by all entries and heads (bytes of element (i, j) at us[0] * i + us[1] * j,
+    us[1] = 1: nonzero masks, 2: float16 nonzero masks; used when us[2] != 0). Key tiles no row of an item
+    keeps are skipped (band, then user mask), and so are the 64-column blocks at either side of a tile
+    that no row's band keeps."""
+    H, KT = kp.shape[1], kp.shape[4]
+    N, D = q16.shape[1], q16.shape[3]
+    RP = ((N // H) * QB + ROWS - 1) // ROWS * ROWS
+    if f16:     # float32 query rows and probabilities (the GEMMs widen float16 K / V)
+        _items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pre, nxt, scale, QB,
+               np.zeros((RP, D), np.float32), np.zeros((RP, KT), np.float32), True)
+    else:       # bf16 bits of the query rows and probabilities (vdpbf16ps operands)
+        _items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pre, nxt, scale, QB,
+               np.zeros((RP, D), np.uint16), np.zeros((RP, KT), np.uint16), False)
+
+
+@njit(nogil=True, cache=True)
+def _items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pre, nxt, scale, QB, qs, pb, f16):
+    """flash_items' loop with its query-row scratch qs [RP, D] and probability scratch pb [RP, KT] (their
+    dtypes choose the GEMMs: _qk, _pv, _pval)."""
+    H, KT = kp.shape[1], kp.shape[4]
+    Dv = vp.shape[4]
+    N, L, D = q16.shape[1], q16.shape[2], q16.shape[3]
+    G = N // H
+    nqb = (L + QB - 1) // QB
+    RB = G * QB
+    RP = qs.shape[0]
+    sc = np.empty((RP, KT), np.float32)           # scores of one tile
+    o = np.empty((RP, Dv), np.float32)            # accumulators
+    m = np.empty(RP, np.float32)
+    l = np.empty(RP, np.float32)
+    sf = np.float32(scale)
+    while True:
+        it = claim(items, counter)
+        if it < 0:
+            break
+        b, h, qb = _split(it, H, nqb)
+        i0 = qb * QB
+        nq = min(QB, L - i0)
+        for g in range(G):
+            for ii in range(QB):
+                r = g * QB + ii
+                if ii < nq and f16:
+                    for d in range(D):
+                        qs[r, d] = _val(q16[b, h * G + g, i0 + ii, d], True)
+                elif ii < nq:
+                    for d in range(D):
+                        qs[r, d] = q16[b, h * G + g, i0 + ii, d]
+                else:
+                    for d in range(D):
+                        qs[r, d] = 0
+        o[:, :] = np.float32(0.0)
+        m[:] = np.float32(-np.inf)
+        l[:] = np.float32(0.0)
+        # keys some row of the item keeps: [klo, khi)
+        klo = max(0, i0 - pre)
+        khi = min(S, i0 + nq + nxt)
+        for t in range(klo // KT, (khi + KT - 1) // KT if khi > klo else 0):
+            k0 = t * KT
+            c0 = (max(klo - k0, 0) // COLS) * COLS                  # computed columns [c0, c1) of the tile
+            c1 = (min(khi - k0, KT) + COLS - 1) // COLS * COLS
+            nk = min(KT, S - k0)                                     # keys that exist
+            if us[2] != 0 and not _tile_open(ub, us, i0, nq, k0, pre, nxt, c0, c1, nk):
+                continue                                             # every key of the tile user-masked
+            _qk(qs, kp[b, h, t], c0, c1, sc, RP, KT, D)
+            for r in range(RP):
+                ii = r % QB
+                if r >= RB or ii >= nq:
+                    for j in range(c0, c1):
+                        pb[r, j] = 0
+                    continue
+                i = i0 + ii
+                jlo = min(max(c0, i - pre - k0), c1)
+                jhi = max(min(nk, i + nxt + 1 - k0), jlo)
+                mbase = -1
+                if ms[3] != 0:
+                    mbase = ms[0] * b + ms[1] * (h * G + r // QB) + ms[2] * i + k0 + jlo
+                ubase = -1
+                if us[2] != 0:
+                    ubase = us[0] * i + us[1] * (k0 + jlo)
+                _softmax_row(sc, pb, o, m, l, r, jlo, jhi, c0, c1, sf, mask, mbase, f16, ub, ubase, us, Dv)
+            _pv(pb, vp[b, h, t], c0, c1, o, RP, KT, Dv)
+        for g in range(G):
+            n = h * G + g
+            for ii in range(nq):
+                r = g * QB + ii
+                if l[r] == np.float32(0.0):                  # no key: 0 (even where P = 0 met a NaN value)
+                    for d in range(Dv):
+                        out16[b, n, i0 + ii, d] = 0
+                    lse[b, n, i0 + ii] = np.float32(-np.inf)
+                    continue
+                inv = np.float32(1.0) / l[r]                 # l NaN: a NaN row, as the products give
+                for d in range(Dv):
+                    out16[b, n, i0 + ii, d] = _outv(out16, o[r, d] * inv, f16)
+                lse[b, n, i0 + ii] = m[r] + np.log(l[r])

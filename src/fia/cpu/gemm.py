@@ -1,0 +1,123 @@
+"""GEMM micro-kernels of the prefill flash kernel (bf16: AVX512-BF16 `vdpbf16ps`; fp16: widen + FMA), as LLVM IR.
+
+Why: ATen's CPU flash kernel (what SDPA runs) reaches ~35 % of this machine's bf16 matmul rate on the
+benchmark's prefill cases (docs/PERF_PREFILL.md, session 6); a register-blocked `vdpbf16ps` loop reaches
+~90 % of it in cache (measured: 195 GFLOP/s QK, 227 GFLOP/s PV on one core).
+
+`gemm_bf16`: C[R, NCOL] (float32, `=` or `+=`) = sum over pairs p of A[r, p] * B[p, :] where
+* A: rows of bf16 *pairs* (one dword = two consecutive elements of the reduction axis), rows a_rs bytes apart;
+* B: the other operand "VNNI-packed": row p holds, for every output column c, the dword (x[2p, c], x[2p+1, c]),
+  rows b_rs bytes apart.
+For QK, A = query rows (pairs along the head dim) and B = a key tile packed [D/2, keys]; for PV, A = bf16
+probabilities (pairs along keys) and B = a value tile packed [keys/2, Dv]. Blocks of NR = 6 rows x 64
+columns (24 accumulators): per pair step 4 loads of B, 6 broadcasts of A, 24 `vdpbf16ps`. R must be a
+multiple of 6 and NCOL of 64 (the callers pad their scratch). Products of bf16 values are exact in float32;
+the sums accumulate in float32 (bf16 subnormals count as zero, as in decode_simd).
+
+`gemm_f16`: the same blocks for float16 operands (no fp16 dot product on the CPUs measured): A float32 rows
+(the query converted once per item, the probabilities unrounded), B float16 rows widened in registers
+(`vcvtph2ps`), float32 FMAs (a key tile transposed [D, keys] for QK, value rows [keys, Dv] for PV).
+
+Numba's on-disk cache keys prefill_kernels' compiled functions on prefill_kernels.py alone: after editing
+this file (or decode_simd), touch prefill_kernels.py so the kernels are rebuilt.
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .fma import F16C, fmadd, widen
+from .simd import (HAS_DP, I32, KIND_FP16, V16F, V16I, ZERO16, c64, dp, gep, load, outlined, ptr, splat, store,
+    var)
+
+NR, NJ = 6, 4                 # rows x 16-column vectors per register block (24 of the 32 zmm registers)
+ROWS = NR                     # R must be a multiple of this
+COLS = 16 * NJ                # NCOL must be a multiple of this
+__all__ = ["F16C", "HAS_DP", "ROWS", "COLS", "gemm_bf16", "gemm_f16", "gemm_f32"]
+
+
+class _Op(NamedTuple):
+    """What a GEMM variant loads and multiplies (see _block)."""
+    b_vec: int           # bytes of B per 16-column vector (and 16 x bytes per column)
+    load_b: Callable     # (b, p) -> <16 x float or i32> B operand at byte p
+    madd: Callable       # (b, acc, splat A dword / float as <16 x i32>, B operand) -> acc
+
+
+def _fma_madd(b, acc, wv, bv):
+    return fmadd(b, b.bitcast(wv, V16F), bv, acc)
+
+
+_BF16 = _Op(64, lambda b, p: load(b, p, V16I, 4), dp)
+_F16 = _Op(32, lambda b, p: widen(b, p, KIND_FP16), _fma_madd)
+_F32 = _Op(64, lambda b, p: load(b, p, V16F, 4), _fma_madd)
+
+
+def _block(b, op, a0, a_rs, bp0, b_rs, npair, c0, c_rs, acc_in):
+    """One NR x COLS block: A rows at a0, B columns starting at bp0, C at c0."""
+    crow = [gep(b, ptr(b, c0), b.mul(c_rs, c64(r))) for r in range(NR)]
+    if acc_in:
+        accs = [[var(b, load(b, gep(b, crow[r], c64(64 * j)), ZERO16.type, 4)) for j in range(NJ)]
+                for r in range(NR)]
+    else:
+        accs = [[var(b, ZERO16) for _ in range(NJ)] for _ in range(NR)]
+    arow = [ptr(b, b.add(a0, b.mul(a_rs, c64(r)))) for r in range(NR)]
+    with cgutils.for_range(b, npair) as lp:
+        p = lp.index
+        brow = gep(b, ptr(b, bp0), b.mul(p, b_rs))
+        bv = [op.load_b(b, gep(b, brow, c64(op.b_vec * j))) for j in range(NJ)]
+        for r in range(NR):
+            w = b.load(b.bitcast(gep(b, arow[r], b.mul(p, c64(4))), I32.as_pointer()), align=2)
+            wv = splat(b, w, 16)
+            for j in range(NJ):
+                b.store(op.madd(b, b.load(accs[r][j]), wv, bv[j]), accs[r][j])
+    for r in range(NR):
+        for j in range(NJ):
+            store(b, b.load(accs[r][j]), gep(b, crow[r], c64(64 * j)), 4)
+
+
+def _gemm_body(op):
+    def body(b, args):
+        aa, ars, ba, brs, npr, ca, crs, R_, N_, acc = args
+        nrb = b.udiv(R_, c64(NR))
+
+        def blocks(acc_in):
+            with cgutils.for_range(b, b.udiv(N_, c64(COLS))) as jl:
+                j0 = b.mul(jl.index, c64(COLS))
+                with cgutils.for_range(b, nrb) as rl:
+                    r0 = b.mul(rl.index, c64(NR))
+                    _block(b, op, b.add(aa, b.mul(r0, ars)), ars, b.add(ba, b.mul(j0, c64(op.b_vec // 16))), brs,
+                           npr, b.add(ca, b.add(b.mul(r0, crs), b.mul(j0, c64(4)))), crs, acc_in)
+        with b.if_else(b.icmp_unsigned("!=", acc, c64(0))) as (then, otherwise):
+            with then:
+                blocks(True)
+            with otherwise:
+                blocks(False)
+    return body
+
+
+def _gemm_intrinsic(op: _Op, name: str, doc: str):
+    """A numba intrinsic (aaddr, a_rs, baddr, b_rs, nk, caddr, c_rs, R, NCOL, accumulate) running _gemm_body(op)
+    as its own outlined function `name`."""
+    def gemm(typingctx, aaddr, a_rs, baddr, b_rs, nk, caddr, c_rs, R, NCOL, accumulate):
+        sig = types.void(*([types.int64] * 10))
+
+        def codegen(context, builder, signature, args):
+            return outlined(context, builder, name, args, _gemm_body(op))
+        return sig, codegen
+    gemm.__name__ = gemm.__qualname__ = name
+    gemm.__doc__ = doc
+    return intrinsic(gemm)
+
+
+gemm_bf16 = _gemm_intrinsic(_BF16, "fia_gemm_bf16", """C (float32 at caddr, rows c_rs bytes apart) [+]= A . B
+    over nk bf16 pairs, R rows (multiple of 6) x NCOL columns (multiple of 64); see the module doc.
+    accumulate != 0: C += (else C =).""")
+gemm_f16 = _gemm_intrinsic(_F16, "fia_gemm_f16", """C (float32) [+]= A . B for float32 A rows (a_rs bytes
+    apart) and float16 B rows (b_rs bytes apart) over nk steps of the reduction axis: widen + float32 FMA
+    (`vcvtph2ps`, `vfmadd231ps`; half the multiply rate of gemm_bf16). R a multiple of 6, NCOL of 64;
+    accumulate as gemm_bf16.""")
+gemm_f32 = _gemm_intrinsic(_F32, "fia_gemm_f32", """gemm_f16 with float32 B rows (float32 calls, dequantized
+    int8 K / V).""")

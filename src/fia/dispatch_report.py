@@ -1,0 +1,122 @@
+"""Explainable dispatch: which backend would run a call, and why each other backend cannot.
+
+    >>> print(fia.explain(q, k, v, num_heads=8, input_layout="BNSD"))
+    npu_fused_infer_attention_score: B=2 N=8 KV_N=8 Q_S=1 KV_S=128 D=64 Dv=64 float16 BNSD decode kv=dense
+    backend: reference
+      reference: can run (selected)
+
+`explain` takes exactly the arguments of `npu_fused_infer_attention_score`, runs the parse layer (so an
+invalid call raises the same FiaInputError the call would) and asks every backend, computing nothing.
+When no backend can run the problem, the report carries the same lines as the FiaUnsupportedError the
+call raises: the error's message, then one line per backend, ``  <name>: <reason>; <reason>``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from . import eager, parse
+from .cpu import jit
+from .backends import registry
+from .config import get_backend
+from .errors import FiaUnsupportedError
+
+__all__ = ["explain", "explain_problem", "DispatchReport"]
+
+
+@dataclass(frozen=True)
+class DispatchReport:
+    """The dispatch decision for one call.
+
+    selected: the backend that would run (None: none can).  reasons: backend -> why it cannot run
+    ([] for those that can), in priority order.  forced: the backend forced by fia.use_backend /
+    FIA_BACKEND, if any.  error: the FiaUnsupportedError message when nothing can run.
+    """
+    api: str
+    summary: str
+    selected: Optional[str]
+    reasons: Dict[str, List[str]] = field(default_factory=dict)
+    forced: Optional[str] = None
+    error: Optional[str] = None
+    details: Optional[str] = None    # how the selected backend would run it (e.g. its kernels on this CPU)
+    tier: Optional[str] = None       # the state of the compiled kernels the best backend needs (fia.cpu.jit)
+
+    @property
+    def supported(self) -> bool:
+        return self.selected is not None
+
+    def __str__(self) -> str:
+        lines = [f"{self.api}: {self.summary}" if self.summary else self.api]
+        if self.selected is not None:
+            lines.append(f"backend: {self.selected}" + (" (forced)" if self.forced else ""))
+        else:
+            lines.append("backend: none")
+            if self.error:
+                lines.extend(self.error.splitlines())
+        shown = set()
+        if self.error:     # the error already lists the backends it tried, in its own words
+            shown = {ln.split(":", 1)[0].strip() for ln in self.error.splitlines()[1:]}
+        for name, why in self.reasons.items():
+            if name in shown:
+                continue
+            if not why:
+                lines.append(f"  {name}: can run" + (" (selected)" if name == self.selected else ""))
+                if name == self.selected and self.details:
+                    lines.append(f"    {self.details}")
+            else:
+                lines.append(f"  {name}: " + "; ".join(why))
+        if self.tier:
+            lines.append(f"compiled kernels: {self.tier}")
+        return "\n".join(lines)
+
+
+def _summary(p) -> str:
+    kind = "decode" if p.is_decode else "prefill"
+    kv = getattr(p.kv, "kind", "?")
+    parts = [f"B={p.B}", f"N={p.N}", f"KV_N={p.KV_N}", f"Q_S={p.Q_S}", f"KV_S={p.KV_S}", f"D={p.D}",
+             f"Dv={p.Dv}"]
+    if p.packed:
+        parts.append(f"T={p.T}")
+    parts += [str(p.dtype).replace("torch.", ""), p.layout.name, kind, f"kv={kv}"]
+    if p.out_dtype != p.dtype:
+        parts.append(f"out={str(p.out_dtype).replace('torch.', '')}")
+    if p.want_lse:
+        parts.append("lse")
+    return " ".join(parts)
+
+
+def explain_problem(problem) -> DispatchReport:
+    """The report for an already parsed AttentionProblem."""
+    reasons = registry.explain(problem)
+    forced = get_backend()
+    details = None
+    tier = None
+    try:
+        backend = registry.select(problem)
+        selected, error = backend.name, None
+        best = backend if forced else registry.best(problem)
+        sets = best.kernel_sets(problem)
+        if sets:
+            tier = "; ".join(jit.describe(n) for n in sets)
+            if best is not backend:
+                tier += f"; running on the {backend.name} backend until then"
+        if jit.ready(backend.kernel_sets(problem)):        # (describing may run kernels: only compiled ones)
+            details = backend.describe(problem)
+    except FiaUnsupportedError as e:
+        selected, error = None, str(e)
+    return DispatchReport(problem.api, _summary(problem), selected, reasons, forced, error, details, tier)
+
+
+def explain(query, key, value, **kwargs) -> DispatchReport:
+    """Which backend would run npu_fused_infer_attention_score(query, key, value, **kwargs), and why not
+    the others. Computes nothing. Invalid arguments raise the FiaInputError the call would raise."""
+    import inspect
+    sig = inspect.signature(eager.npu_fused_infer_attention_score)
+    bound = sig.bind(query, key, value, **kwargs)     # unknown keywords: the same TypeError as the call
+    bound.apply_defaults()
+    name = "npu_fused_infer_attention_score"
+    try:
+        problem = parse.parse_fused(dict(bound.arguments), api=name)
+    except FiaUnsupportedError as e:   # valid, but a feature no backend implements (decided while parsing)
+        return DispatchReport(name, "", None, dict(e.reasons), get_backend(), str(e))
+    return explain_problem(problem)
