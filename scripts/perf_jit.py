@@ -1,4 +1,4 @@
-"""Run a Python script so that `perf` names FIA's numba kernels (developer tool, docs/PERF_DECODE.md session 15).
+"""Run a Python script so that `perf` names FIA's numba kernels (developer tool).
 
 The machines of this project have no PMU in their VMs, but `perf record -e cpu-clock` samples work; numba's
 JIT code shows up there as bare addresses. This runner hooks numba before FIA loads its kernels (from the
@@ -39,7 +39,7 @@ _cg.CPUCodeLibrary._set_compiled_object = _keep
 
 
 def _short(name: str) -> str:
-    """`_ZN3fia8backends14decode_kernels5mergeB...` -> `decode_kernels.merge`."""
+    """`_ZN3fia8backends6decode7kernels5mergeB...` -> `kernels.merge`."""
     m = re.match(r"_ZN(.*)", name)
     if not m:
         return name

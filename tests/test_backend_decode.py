@@ -1,4 +1,4 @@
-"""The decode backend (issue 7) against the reference backend, on randomized decode-specific paths.
+"""The decode backend against the reference backend, on randomized decode-specific paths.
 
 Every case runs the same call twice, forced to `decode` and to `reference`, and demands the same
 result: outputs within one rounding of the output dtype (both accumulate in float32), the same lse
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import fia
-from fia.backends.decode import backend as DEC
+from fia.backends.decode import plan as DEC_PLAN
 from fia.backends import registry
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
@@ -48,11 +48,10 @@ def _dp(request, monkeypatch):
     if request.param is not None:
         from fia.backends.decode import kernels as K
         monkeypatch.setattr(K, "DP_FLAGS", request.param)
-        if hasattr(DEC, "_PLANS"):                          # plans carry the flags: start from none
-            monkeypatch.setattr(DEC, "_PLANS", {})
+        DEC_PLAN.PLANS.clear()                              # plans carry the flags: start from none
         # the suite's calls are small: without this their launches would drop the prefetch bits
         # (decode.PREFETCH_MIN_BYTES) and the prefetching code paths would go untested
-        monkeypatch.setattr(DEC, "PREFETCH_MIN_BYTES", -1)
+        monkeypatch.setattr(DEC_PLAN, "PREFETCH_MIN_BYTES", -1)
     return request.param
 
 
@@ -189,9 +188,9 @@ def compare(args, kw, *, api=None, mode="portable", no_gather=False, monkeypatch
 @pytest.fixture
 def small_splits(monkeypatch):
     """Force split-KV (and the thread pool) on small problems, with short chunks."""
-    monkeypatch.setattr(DEC, "MIN_SPLIT", 8)
-    monkeypatch.setattr(DEC, "ITEMS_PER_THREAD", 64)
-    monkeypatch.setattr(DEC, "PARALLEL_MIN_WORK", 0)
+    monkeypatch.setattr(DEC_PLAN, "MIN_SPLIT", 8)
+    monkeypatch.setattr(DEC_PLAN, "ITEMS_PER_THREAD", 64)
+    monkeypatch.setattr(DEC_PLAN, "PARALLEL_MIN_WORK", 0)
 
 
 def test_prefetch_bits_follow_the_bytes_read(monkeypatch):
@@ -200,9 +199,9 @@ def test_prefetch_bits_follow_the_bytes_read(monkeypatch):
     from fia.backends.decode import kernels as K
     pf = K.DP_PREFETCH_BITS | K.DP_TOUCH
     monkeypatch.setattr(K, "DP_FLAGS", K.DP_FLAGS | pf)
-    monkeypatch.setattr(DEC, "PREFETCH_MIN_BYTES", 1 << 20)
+    monkeypatch.setattr(DEC_PLAN, "PREFETCH_MIN_BYTES", 1 << 20)
     ip = [0] * K.IP_LEN
-    flags = lambda keys, H: DEC._dp_flags(K, DEC._key_bytes(K, ip), keys, H)  # noqa: E731
+    flags = lambda keys, H: DEC_PLAN._dp_flags(K, DEC_PLAN._key_bytes(K, ip), keys, H)  # noqa: E731
     ip[K.IP_D], ip[K.IP_DV], ip[K.IP_K_KIND], ip[K.IP_V_KIND] = 128, 128, K.KIND_BF16, K.KIND_BF16
     assert flags(256, 8) == K.DP_FLAGS & ~pf            # 256 keys x 8 heads x 512 B = 1 MiB
     assert flags(257, 8) == K.DP_FLAGS
@@ -236,7 +235,7 @@ def test_dense_gqa(G, dtype, layout):
 def test_head_dims(d, kind, layout):
     """Head dims the IR kernels take (multiples of 16: unrolled and looped) and the ones they leave to the
     numba fused kernels (the generic build), for every fused element kind, with split KV and GQA; BSH: items
-    of all KV heads (decode_kernels.IP_HB), 3 of them."""
+    of all KV heads (decode.kernels.IP_HB), 3 of them."""
     g = gen("dims", d, kind, layout)
     b, n, kvn, s = 2, 8, 2, 150
     if layout == "BSH":
@@ -257,10 +256,10 @@ def test_head_dims(d, kind, layout):
 @pytest.mark.parametrize("chunk", [32768, 65536 + 64 * 3])
 @pytest.mark.parametrize("mode", ["chan", "tok"])
 def test_int8_long_chunks(mode, chunk, monkeypatch):
-    """int8 K / V with chunks of more than 512 keys (decode_vnni.pv_i8 sums its int32 lanes in blocks of
+    """int8 K / V with chunks of more than 512 keys (cpu.vnni.pv_i8 sums its int32 lanes in blocks of
     512 keys) and odd chunk lengths, per-channel scales + offsets / per-token scales + offsets, values at
     the int8 extremes."""
-    monkeypatch.setattr(DEC, "CHUNK_FLOATS", chunk)
+    monkeypatch.setattr(DEC_PLAN, "CHUNK_FLOATS", chunk)
     g = gen("i8chunks", mode, chunk)
     b, n, kvn, d = 2, 8, 2, 64
     lens = [1500, 1031]
@@ -390,9 +389,9 @@ def test_int8_random_combinations(seed, small_splits):
 @pytest.mark.parametrize("order", ["high_first", "low_first"])
 def test_int8_chunks_far_below_the_running_max(order, monkeypatch):
     """Chunks whose scores sit ~100 below the running maximum (pse_shift): their probabilities (~e^-100) are
-    below what the fused int16 quantization takes (decode_kernels.softmax_chunk mode 2), so they go through
+    below what the fused int16 quantization takes (decode.kernels.softmax_chunk mode 2), so they go through
     quant_i16's float64 path; the chunk that raises the maximum later rescales what came before."""
-    monkeypatch.setattr(DEC, "CHUNK_FLOATS", 64 * 64)       # 64-key chunks at D = 64
+    monkeypatch.setattr(DEC_PLAN, "CHUNK_FLOATS", 64 * 64)       # 64-key chunks at D = 64
     g = gen("i8far", order)
     b, n, kvn, s, d = 2, 8, 2, 400, 64
     q = randn((b, n, 1, d), g, BF16)
@@ -411,8 +410,8 @@ def test_int8_chunks_far_below_the_running_max(order, monkeypatch):
 
 
 def test_int8_kv_float32_query_keeps_float32_accuracy():
-    """A float32 query (portable mode) with int8 K / V: the float32 output is held to 1e-5 relative (issue 2),
-    so the int16-operand kernels (decode_vnni, ~7e-5) must not take it."""
+    """A float32 query (portable mode) with int8 K / V: the float32 output is held to 1e-5 relative (tests/util.py),
+    so the int16-operand kernels (cpu/vnni.py, ~7e-5) must not take it."""
     g = gen("i8f32")
     b, n, kvn, s, d = 2, 8, 2, 700, 128
     q = randn((b, n, 1, d), g, F32)
@@ -466,7 +465,7 @@ def test_int8_nan_inf_propagate(where):
 @pytest.mark.parametrize("lens", [[1000, 37, 1, 0], [513], [64, 65, 127]])
 def test_split_kv_merge(small_splits, monkeypatch, lens, chunk):
     """Lengths that do not divide the split / chunk length; partials merged through their LSEs."""
-    monkeypatch.setattr(DEC, "CHUNK_FLOATS", chunk)
+    monkeypatch.setattr(DEC_PLAN, "CHUNK_FLOATS", chunk)
     g = gen("split", tuple(lens), chunk)
     b, n, kvn, d = len(lens), 8, 2, 64
     s = max(lens)
@@ -502,7 +501,7 @@ def test_paged_in_place(fmt, bs, lens, G, small_splits):
 @pytest.mark.parametrize("case,want", [("BSH", 3), ("BSND", 3), ("BNSD", 1), ("paged-3d", 3), ("paged-4d", 1),
                                        ("wider-row", 3), ("gaps", 1), ("one-head", 1)])
 def test_heads_per_item_follows_the_layout(case, want, small_splits):
-    """An item covers every KV head (decode_kernels.IP_HB; fia.explain says "N KV heads per item") exactly when
+    """An item covers every KV head (decode.kernels.IP_HB; fia.explain says "N KV heads per item") exactly when
     a token's rows of all heads lie side by side in key and value: BSH / BSND, the paged [blocks, bs, H] cache,
     a token row wider than the heads (key and value views of one [B, S, 2 H] buffer); head by head otherwise
     (BNSD, paged [blocks, H, bs, D], rows with gaps between the heads, one KV head). Results agree either way."""
@@ -611,7 +610,7 @@ def _scales(kind, which, g, b, kvn, s, d, lens, mode, dtype):
 @pytest.mark.parametrize("G", [1, 4])
 @pytest.mark.parametrize("layout", ["BNSD", "BSH"])
 def test_antiquant_modes(name, int4, km, vm, kind, offsets, G, layout, small_splits):
-    """Every dequantization form; BSH: items of all KV heads (decode_kernels.IP_HB), each head's factors."""
+    """Every dequantization form; BSH: items of all KV heads (decode.kernels.IP_HB), each head's factors."""
     g = gen("aq", name, G) if layout == "BNSD" else gen("aq", name, G, layout)
     b, kvn, s, d = 2, 2 if layout == "BNSD" else 3, 70, 64
     n = G * kvn
@@ -704,7 +703,7 @@ def test_decode_masks(shape, mdt):
 @pytest.mark.parametrize("layout", ["BNSD", "BSH"])
 def test_multi_token_masks(sparse, pre, nxt, ip, layout, small_splits):
     """Q_S in 2..16: band geometry (window-local), user masks (physical), dead rows and row-invalid
-    correction (inner_precise bit 1), query lengths; BSH: items of both KV heads (decode_kernels.IP_HB)."""
+    correction (inner_precise bit 1), query lengths; BSH: items of both KV heads (decode.kernels.IP_HB)."""
     g = gen("mt", sparse, pre, nxt, ip) if layout == "BNSD" else gen("mt", sparse, pre, nxt, ip, layout)
     b, n, kvn, sq, s, d = 3, 4, 2, 7, 50, 64
     act_q, lens = [7, 3, 5], [50, 20, 4]
@@ -773,7 +772,7 @@ def test_left_padding(sq, with_mask, small_splits):
 def test_shared_prefix(plen, b, G, extra, layout, small_splits):
     """Prefix keys first (read once per group of batches), then each batch's own keys; masks and pse
     count prefix columns first. b=12, G=8: more rows than one prefix group holds. BSND: items of both KV
-    heads, own keys and prefix (decode_kernels.IP_HB)."""
+    heads, own keys and prefix (decode.kernels.IP_HB)."""
     g = gen("prefix", plen, b, G, extra) if layout == "BNSD" else gen("prefix", plen, b, G, extra, layout)
     kvn, s, ps, d = 2, 24, 9, 64
     n = G * kvn
@@ -809,7 +808,7 @@ def test_shared_prefix(plen, b, G, extra, layout, small_splits):
 
 @pytest.mark.parametrize("layout", ["BNSD", "BSH"])
 def test_tensor_list(layout, small_splits):
-    """One K / V tensor per batch; BSH: items of both KV heads (decode_kernels.IP_HB) in each source."""
+    """One K / V tensor per batch; BSH: items of both KV heads (decode.kernels.IP_HB) in each source."""
     g = gen("list") if layout == "BNSD" else gen("list", layout)
     b, n, kvn, d = 3, 8, 2, 32
     lens = [17, 40, 3]

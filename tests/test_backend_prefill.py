@@ -1,4 +1,4 @@
-"""The prefill backend (issue 8) against a float64 golden, on the cases where tiling can go wrong.
+"""The prefill backend against a float64 golden, on the cases where tiling can go wrong.
 
 Every comparison runs the same call twice: through the prefill backend in the input dtype, and through the
 reference backend with every fp16/bf16 tensor upcast to float64 (portable mode) — the golden. Errors are

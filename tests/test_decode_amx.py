@@ -1,4 +1,4 @@
-"""The AMX-tile micro-kernels of the decode backend (decode_amx.qk_amx / pv_amx) against float64.
+"""The AMX-tile micro-kernels of the decode backend (cpu.amx.qk_amx / pv_amx) against float64.
 
 Row counts cover one and several 8-row PV groups and 16-row QK groups (the caller splits larger QK counts),
 key counts one and several 16-key blocks and more than one 256-key span, head dims every supported chunk

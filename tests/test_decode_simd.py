@@ -1,4 +1,4 @@
-"""The bf16 dot-product micro-kernels of the decode backend (decode_simd.qk_dp / pv_dp) against float64.
+"""The bf16 dot-product micro-kernels of the decode backend (cpu.simd.qk_dp / pv_dp) against float64.
 
 Both the native AVX512-BF16 code (where the CPU has it) and the float32 emulation every other CPU compiles
 are checked, on row counts that exercise every row block (4, 2, 1), key counts that exercise every key block
@@ -250,7 +250,7 @@ def _exp_rows(s, n, mx, p, mode, inv):
 @pytest.mark.parametrize("mode", [0, 1, 2])
 @pytest.mark.parametrize("n", [16, 37, 256])
 def test_exp_rows_matches_the_scalar_pass(mode, n):
-    """exp_rows (the 16-lane softmax pass) against decode_kernels' scalar fexp / bf16 rounding / int16
+    """exp_rows (the 16-lane softmax pass) against decode.kernels' scalar fexp / bf16 rounding / int16
     quantization on the same scores: whole 16-score blocks only (the rest untouched), NaN, -inf, very
     negative and zero differences included, the sum of the written values returned."""
     from fia.backends.decode import kernels as K

@@ -1,7 +1,7 @@
-"""The int8 K / V micro-kernels of the decode backend (decode_vnni.qk_i8 / pv_i8) and their helpers
-(decode_simd.max_f32, decode_kernels.quant_i16) against float64 / numpy.
+"""The int8 K / V micro-kernels of the decode backend (cpu.vnni.qk_i8 / pv_i8) and their helpers
+(cpu.simd.max_f32, decode.kernels.quant_i16) against float64 / numpy.
 
-Both widths (16 lanes for AVX-512; 8 lanes, decode_fma.NARROW, for CPUs without it) are checked on every CPU,
+Both widths (16 lanes for AVX-512; 8 lanes, cpu.fma.NARROW, for CPUs without it) are checked on every CPU,
 each with the native instruction (AVX512-VNNI vpdpwssd / AVX2 vpmaddwd, where the CPU has it) and the int32
 emulation, on row counts that exercise every row block (4, 2, 1 for QK; 2, 1 for wide PV, 4, 2, 1 narrow), key counts that exercise
 every key block (4 / 1 for QK, pairs / odd tail and the 512-key int32 blocks for PV), the unrolled head dims

@@ -265,7 +265,7 @@ _TILE_KNOBS = {
 def apply_tiles(c: Case, monkeypatch) -> None:
     if not c.tiles:
         return
-    import fia.backends.decode.backend as dec
+    import fia.backends.decode.plan as dec      # (the decode tiling knobs)
     from fia.backends import registry
     pre = registry.by_name("prefill")
     for name, value in c.tiles.items():

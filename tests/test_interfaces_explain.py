@@ -139,7 +139,7 @@ def _kernel_line(q, k, v, **kw):
 
 
 def test_explain_names_the_decode_kernels(monkeypatch):
-    """The decode backend's report line names the kernels its items pick (decode_kernels.kernel_flags) on
+    """The decode backend's report line names the kernels its items pick (decode.kernels.kernel_flags) on
     this CPU and under the kernel switches (DP_FLAGS), the generic loops for head dims they do not take."""
     pytest.importorskip("numba")
     from fia.backends.decode import kernels as K
@@ -151,14 +151,14 @@ def test_explain_names_the_decode_kernels(monkeypatch):
           "float32 FMA (bf16 in even / odd halves)" if K.NARROW else "float32 FMA")
     kernels = K.DP_FLAGS & ~K.DP_PREFETCH_BITS
     assert bool(kernels & K.DP_EO) == K.NARROW
-    from fia.backends.decode import backend as DEC
+    from fia.backends.decode import plan as DEC_PLAN
     monkeypatch.setattr(K, "DP_FLAGS", kernels | K.PREFETCH_POLICIES["nta+ahead"])
     # a call reading at most PREFETCH_MIN_BYTES of K / V runs without the prefetches (its data may be cached)
     assert _kernel_line(q, k, v) == (f"kernels: QK {dp}, PV {dp}, no software prefetch (at most "
-                                     f"{DEC.PREFETCH_MIN_BYTES >> 10} KiB of K / V: likely cached)")
+                                     f"{DEC_PLAN.PREFETCH_MIN_BYTES >> 10} KiB of K / V: likely cached)")
     assert _kernel_line(q[..., :40].contiguous(), k[..., :40].contiguous(), v[..., :40].contiguous()) == (
         "kernels: QK generic float32 loops, PV generic float32 loops")      # (never prefetch: nothing to say)
-    monkeypatch.setattr(DEC, "PREFETCH_MIN_BYTES", -1)            # the small calls below prefetch as large ones
+    monkeypatch.setattr(DEC_PLAN, "PREFETCH_MIN_BYTES", -1)            # the small calls below prefetch as large ones
     assert _kernel_line(q, k, v) == f"kernels: QK {dp}, PV {dp}, software prefetch (nta; rows ahead: K, V)"
     assert _kernel_line(q.half(), k.half(), v.half()) == (
         "kernels: QK float32 FMA, PV float32 FMA, software prefetch (nta; rows ahead: K, V)")

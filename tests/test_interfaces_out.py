@@ -1,4 +1,4 @@
-"""Issue 9: the .out variants, the workspace queries and their graph-mode operators (SPEC 1.1b, 1.3).
+"""The .out variants, the workspace queries and their graph-mode operators (SPEC 1.1b, 1.3).
 
 `.out` must equal the functional call exactly (same backend), write into the caller's tensors and return
 them, check them before anything runs (an invalid call writes nothing), and leave the lse placeholder alone

@@ -72,7 +72,7 @@ def _graph_example():
             super().__init__()
 
         def forward(self):
-            return torch_npu.npu_incre_flash_attention(q, k, v, num_heads=40, input_layout="BSH", scale_value=scale_value, atten_mask=atten)  # noqa: E501
+            return torch_npu.npu_incre_flash_attention(q, k, v, num_heads=40, input_layout="BSH", scale_value=scale_value, atten_mask=atten)
 
     def MetaInfershape():
         with torch.no_grad():
@@ -80,7 +80,7 @@ def _graph_example():
             model = torch.compile(model, dynamic=False, fullgraph=True)
             graph_output = model()
 
-        single_op = torch_npu.npu_incre_flash_attention(q, k, v, num_heads=40, input_layout="BSH", scale_value=scale_value, atten_mask=atten)  # noqa: E501
+        single_op = torch_npu.npu_incre_flash_attention(q, k, v, num_heads=40, input_layout="BSH", scale_value=scale_value, atten_mask=atten)
         print("single op output with mask:", single_op, single_op.shape)
         print("graph output with mask:", graph_output, graph_output.shape)
         return single_op, graph_output

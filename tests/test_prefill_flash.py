@@ -1,4 +1,4 @@
-"""FIA's own bf16 prefill flash kernel (prefill_flash.flash, prefill_kernels, prefill_simd.gemm_bf16).
+"""FIA's own bf16 prefill flash kernel (prefill.flash.flash, prefill.kernels, cpu.gemm.gemm_bf16).
 
 * gemm_bf16 / gemm_f16, native (vdpbf16ps / vcvtph2ps where the CPU has them) and the emulations every
   other CPU compiles: C = / += A . B against float64 on every row / column block count, with C poisoned

@@ -1,4 +1,4 @@
-"""The one-pass bias statistics of the pse tile bounds (prefill_pse.bias_stats): the Numba pass equals the
+"""The one-pass bias statistics of the pse tile bounds (prefill.pse.bias_stats): the Numba pass equals the
 torch formulation on random biases, including ties, -inf, NaN rows and a partial last tile."""
 from __future__ import annotations
 

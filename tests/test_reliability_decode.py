@@ -19,12 +19,13 @@ import torch
 import fia
 from fia import parse
 from fia.backends.decode import backend as DEC
+from fia.backends.decode import execute as DEC_EXECUTE, plan as DEC_PLAN
 from fia.cpu import threads
 from fia.backends import registry
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 
-pytestmark = pytest.mark.skipif(not DEC._numba_available(), reason="numba not installed")
+pytestmark = pytest.mark.skipif(not DEC.numba_available(), reason="numba not installed")
 
 
 @pytest.fixture(autouse=True)
@@ -149,17 +150,17 @@ def test_int8_query_outlier_never_blows_up(mode, outlier):
 
 def qk_paths(args, kw):
     """(chunks x KV heads whose QK ran the int16 query kernels, all of them) in one decode call."""
-    before = DEC.QK_STATS.copy()
+    before = DEC_EXECUTE.QK_STATS.copy()
     with fia.use_backend("decode"):
         fia.npu_fused_infer_attention_score(*args, **kw)
-    i8, total = (DEC.QK_STATS - before).tolist()
+    i8, total = (DEC_EXECUTE.QK_STATS - before).tolist()
     return i8, total
 
 
 @pytest.mark.parametrize("mode", ["chan", "tok"])
 @pytest.mark.parametrize("dt", [F16, BF16])
 def test_int8_ordinary_query_keeps_the_int16_path(dt, mode):
-    """The speed of int8 decode comes from the int16 query kernels (decode_vnni): an ordinary query (no outlier)
+    """The speed of int8 decode comes from the int16 query kernels (cpu/vnni.py): an ordinary query (no outlier)
     runs every chunk there; a query whose every head has an outlier of 300 none; an outlier in one KV head's query
     heads only sends that head's chunks to the float32 kernels, the others stay."""
     from fia.backends.decode import kernels as K
@@ -184,9 +185,9 @@ def test_threads_with_their_own_thread_counts(monkeypatch):
     must not shut down the one another call still submits to (that raised "cannot schedule new futures after
     shutdown" in 4-7 % of these calls). Small calls, split and threaded (as the suite's small_splits), so that the
     rounds are many; a pause between getting the pool and submitting to it widens the race's window."""
-    monkeypatch.setattr(DEC, "MIN_SPLIT", 8)
-    monkeypatch.setattr(DEC, "ITEMS_PER_THREAD", 16)
-    monkeypatch.setattr(DEC, "PARALLEL_MIN_WORK", 0)
+    monkeypatch.setattr(DEC_PLAN, "MIN_SPLIT", 8)
+    monkeypatch.setattr(DEC_PLAN, "ITEMS_PER_THREAD", 16)
+    monkeypatch.setattr(DEC_PLAN, "PARALLEL_MIN_WORK", 0)
     pool = threads.pool
 
     def slow_pool(n):

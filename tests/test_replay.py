@@ -10,12 +10,13 @@ import torch
 import fia
 from fia import replay
 from fia.backends.decode import backend as DEC
+from fia.backends.decode import inputs as DEC_INPUTS, plan as DEC_PLAN
 from fia.parse import memo
 
 import naive
 from util import gen, randn, to_layout
 
-pytestmark = pytest.mark.skipif(not DEC._numba_available(), reason="numba not installed")
+pytestmark = pytest.mark.skipif(not DEC.numba_available(), reason="numba not installed")
 
 
 @pytest.fixture(autouse=True)
@@ -25,8 +26,7 @@ def fresh(monkeypatch, fia_backend):
     if fia_backend != "decode":
         pytest.skip("only the decode backend offers replays")
     monkeypatch.setattr(memo, "_TRIAL", 1 << 30)
-    monkeypatch.setattr(replay, "_TABLE", {})
-    monkeypatch.setattr(replay, "_SEEN", set())
+    replay.clear()
     monkeypatch.setattr(replay, "stats", {"admitted": 0, "refused": 0, "replayed": 0})
 
 
@@ -177,11 +177,11 @@ def test_stale_plan_takes_the_full_path(monkeypatch):
     for _ in range(3):
         fia.npu_fused_infer_attention_score(q, k, v, **kw)
     assert replay.stats["admitted"] == 1
-    monkeypatch.setattr(DEC, "MIN_SPLIT", 8)       # another split: the prepared plan is stale
-    monkeypatch.setattr(DEC, "ITEMS_PER_THREAD", 64)
+    monkeypatch.setattr(DEC_PLAN, "MIN_SPLIT", 8)       # another split: the prepared plan is stale
+    monkeypatch.setattr(DEC_PLAN, "ITEMS_PER_THREAD", 64)
     seen = []
-    real = DEC._plan
-    monkeypatch.setattr(DEC, "_plan", lambda *a: seen.append(1) or real(*a))
+    real = DEC_PLAN._plan
+    monkeypatch.setattr(DEC_PLAN, "_plan", lambda *a: seen.append(1) or real(*a))
     got, _ = fia.npu_fused_infer_attention_score(q, k, v, **kw)
     assert seen, "the stale replay ran instead of a new plan"
     want, _ = full_path(fia.npu_fused_infer_attention_score, q, k, v, **kw)
@@ -431,14 +431,14 @@ def test_relength_equals_a_new_plan():
         p = full_path(fia.eager.fused_problem, dict(_fused_defaults(), query=q, key=k, value=v, num_heads=N,
                                                       num_key_value_heads=KV_N, input_layout="BNSD",
                                                       actual_seq_lengths_kv=[S] * B))
-        x = DEC._Inputs(p)
+        x = DEC_INPUTS.Inputs(p)
         for threads in (1, 2):
-            plan0 = DEC._plan(p, x, K, threads)
+            plan0 = DEC_PLAN._plan(p, x, K, threads)
             for _ in range(6):
                 lens = torch.randint(0, S + 1, (B,), generator=g).tolist()
                 geom = tuple(dataclasses.replace(gm, kv_hi=L) for gm, L in zip(p.geometry, lens))
-                want = DEC._plan(p.evolve(geometry=geom), x, K, threads)
-                got = DEC._relength(plan0, p, np.array(lens, np.int64), K, threads)
+                want = DEC_PLAN._plan(p.evolve(geometry=geom), x, K, threads)
+                got = DEC_PLAN.relength(plan0, p, np.array(lens, np.int64), K, threads)
                 if want.own[0] is None:
                     assert got is None
                     continue
@@ -556,8 +556,8 @@ def test_stale_lengths_replay_is_replaced(monkeypatch):
     for i in range(3):
         fia.npu_fused_infer_attention_score(q, k, v, actual_seq_lengths_kv=[S - i, 700 + i], **kw)
     assert replay.stats["admitted"] == 1 and replay.stats["replayed"] == 1
-    monkeypatch.setattr(DEC, "MIN_SPLIT", 8)       # another split: the replay is stale
-    monkeypatch.setattr(DEC, "ITEMS_PER_THREAD", 64)
+    monkeypatch.setattr(DEC_PLAN, "MIN_SPLIT", 8)       # another split: the replay is stale
+    monkeypatch.setattr(DEC_PLAN, "ITEMS_PER_THREAD", 64)
     for i in range(4):
         lens = [S - 10 * i, 600 + i]
         got, _ = fia.npu_fused_infer_attention_score(q, k, v, actual_seq_lengths_kv=lens, **kw)

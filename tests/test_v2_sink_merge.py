@@ -1,4 +1,4 @@
-"""Issue 9: npu_fused_infer_attention_score_v2 mapping, learnable sinks, npu_attention_update.
+"""npu_fused_infer_attention_score_v2 mapping, learnable sinks, npu_attention_update.
 
 Sinks are checked against a float64 formulation written here (SPEC 1.1b): one extra score column per
 row that no mask hides and that carries no value.

@@ -14,7 +14,7 @@ import naive
 
 INT_MAX = 2147483647
 
-# acceptance tolerances (issue 2)
+# acceptance tolerances (docs/RELIABILITY.md)
 TOL = {torch.float16: 1e-2, torch.bfloat16: 1e-2, torch.float32: 1e-5, torch.float64: 1e-10}
 LSE_TOL = 1e-3
 

@@ -9,11 +9,11 @@ from .api import (_npu_fused_infer_attention_score_get_max_workspace,
                   npu_prompt_flash_attention)
 from .config import (get_backend, get_validation_mode, set_backend, set_validation_mode, use_backend,
                      validation_mode)
-from .cpu.warmup import warmup
+from .kernel_warmup import warmup
 from .dispatch_report import DispatchReport, explain
 from .errors import FiaBackendUnavailable, FiaError, FiaInputError, FiaMemoryError, FiaRuntimeError, FiaUnsupportedError
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one version source (pyproject.toml reads it: dynamic version)
 
 __all__ = [
     "npu_fused_infer_attention_score", "npu_incre_flash_attention", "npu_prompt_flash_attention",

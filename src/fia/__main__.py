@@ -11,7 +11,7 @@ def main(argv=None) -> int:
     w = sub.add_parser("warmup", help="compile (or load) the CPU kernels ahead of the first call")
     w.add_argument("sets", nargs="*", help="kernel sets (default: every set this CPU uses)")
     args = ap.parse_args(argv)
-    from .cpu.warmup import warmup
+    from .kernel_warmup import warmup
     from .cpu.jit import KERNEL_SETS
     unknown = [s for s in args.sets if s not in KERNEL_SETS]
     if unknown:

@@ -1,4 +1,4 @@
-"""Call replay: the host path of a repeated call, cut to what its data need (issue 7's small call).
+"""Call replay: the host path of a repeated call, cut to what its data need (a small decode call).
 
 A decode call on a short cache spends most of its time in Python: parse (even memoized: signature, re-view,
 problem), dispatch, inputs, plan lookup, addresses, the epilogue -- ~100 us per call on a slow host, against
@@ -41,12 +41,13 @@ from typing import Callable, Optional
 
 import torch
 
+from . import caches
 from .config import get_backend, get_validation_mode
 
 _Tensor = torch.Tensor
 _SCALARS = frozenset({type(None), bool, int, float, str})
 _ONES, _FLOATS = repeat(1.0), repeat(float)
-_MAX = 64                       # keys held (cleared when full)
+_MAX = 64                       # keys held (fia.caches: cleared when full)
 # the KV lengths argument of each entry point (its values vary in a decode loop: see the module docstring)
 _KV_LENGTHS = {"npu_fused_infer_attention_score": "actual_seq_lengths_kv",
                "npu_prompt_flash_attention": "actual_seq_lengths_kv",
@@ -57,9 +58,9 @@ _PADDING = ("query_padding_size", "kv_padding_size")
 # the call: decode, int8 dequantization factors -- per tensor / channel / head / token -- that are views of them)
 _TENSOR_ARGS = frozenset({"antiquant_scale", "antiquant_offset", "key_antiquant_scale", "key_antiquant_offset",
                           "value_antiquant_scale", "value_antiquant_offset"})
-_SEEN: set = set()              # lengths-replay keys seen once (admitted the second time)
+_SEEN = caches.BoundedSet("replay.seen", 4 * _MAX)     # lengths-replay keys seen once (admitted the second time)
 _NEVER = object()               # a key that does not replay (no replay offered, or the trial differed)
-_TABLE: dict = {}               # key -> replay callable or _NEVER
+_TABLE = caches.BoundedCache("replay.table", _MAX)     # key -> replay callable or _NEVER
 
 
 class _Last(threading.local):
@@ -176,9 +177,7 @@ def admit(key: tuple, ran, q, k, v, results: tuple, kw: dict) -> None:
     lens = key[-1]
     if lens is not None:
         if key not in _SEEN:                       # a one-off call: no trial (it would run the kernels twice)
-            if len(_SEEN) >= 4 * _MAX:
-                _SEEN.clear()
-            _SEEN.add(key)
+            _SEEN.put(key)
             return
         if not any(kw[lens]):                      # no key at all: nothing to plan a launch on -- a later call
             return
@@ -190,9 +189,7 @@ def admit(key: tuple, ran, q, k, v, results: tuple, kw: dict) -> None:
     r = make(problem, q, k, v, lengths=lens is not None, extras=_extras(key, kw))
     got = None if r is None else _replayed(r, key, q, k, v, kw)
     ok = got is not None and _same(got[:len(results)], results)
-    if len(_TABLE) >= _MAX:
-        _TABLE.clear()
-    _TABLE[key] = r if ok else _NEVER
+    _TABLE.put(key, r if ok else _NEVER)
     stats["admitted" if ok else "refused"] += 1
 
 

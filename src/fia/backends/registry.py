@@ -1,21 +1,23 @@
-"""Backend priority list; select(problem) and explain(problem)."""
+"""The backends, in priority order; select(problem) and explain(problem)."""
 from __future__ import annotations
 
 from typing import Dict, List
 
+from .. import caches
 from ..cpu import jit
 from ..config import get_backend, use_backend
 from ..errors import FiaBackendUnavailable, FiaUnsupportedError
 from ..problem.attention import AttentionProblem
 from .base import Backend
+from .decode.backend import DecodeBackend
+from .prefill.backend import PrefillBackend
 from .reference import ReferenceBackend
+from .torchops.backend import TorchBackend
 
-_BACKENDS: List[Backend] = [ReferenceBackend()]
-
-
-def register(backend: Backend) -> None:
-    _BACKENDS.append(backend)
-    _BACKENDS.sort(key=lambda b: -b.priority)
+# every backend, highest priority first: the fast CPU decode (Q_S <= 16) and prefill kernels, torch ops (any
+# device; the CPU stand-in while compiled kernels build), the float64 reference
+_BACKENDS: List[Backend] = sorted([DecodeBackend(), PrefillBackend(), TorchBackend(), ReferenceBackend()],
+                                  key=lambda b: -b.priority)
 
 
 def backends() -> List[Backend]:
@@ -34,8 +36,8 @@ def explain(p: AttentionProblem) -> Dict[str, List[str]]:
     return {b.name: b.not_supported_reasons(p) for b in _BACKENDS}
 
 
-_CHOICES: Dict[tuple, tuple] = {}   # (memo_key, forced backend, backends) -> (the choice, its kernel sets)
-_MAX_CHOICES = 256
+# (memo_key, forced backend, backends) -> (the choice, its kernel sets)
+_CHOICES = caches.BoundedCache("backends.choice", 256)
 
 
 def select(p: AttentionProblem) -> Backend:
@@ -51,10 +53,7 @@ def select(p: AttentionProblem) -> Backend:
         key = (p.memo_key, forced, tuple(_BACKENDS))
         c = _CHOICES.get(key)
         if c is None:
-            c = _choice(p, forced)
-            if len(_CHOICES) >= _MAX_CHOICES:
-                _CHOICES.clear()
-            _CHOICES[key] = c
+            c = _CHOICES.put(key, _choice(p, forced))
         b, sets = c
     if sets and not jit.ready(sets):
         return tier(p, b, sets)
@@ -101,7 +100,3 @@ def _select(p: AttentionProblem) -> Backend:
         raise FiaUnsupportedError("no FIA backend can run this problem", report)
     return max(able, key=lambda b: b.preference(p))
 
-
-from .prefill.backend import PrefillBackend as _Prefill; register(_Prefill())  # noqa: E402,E702  issue 8: fast CPU prefill
-from .decode.backend import DecodeBackend as _Decode; register(_Decode())  # noqa: E402,E702  issue 7: fast CPU decode
-from .torchops.backend import TorchBackend as _Torch; register(_Torch())  # noqa: E402,E702  torch ops, any device

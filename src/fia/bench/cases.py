@@ -76,9 +76,9 @@ class Case:
 
     def dense_twin(self) -> Optional["Case"]:
         """The same decode problem with a dense K / V cache of the case's dtype, for paged and int8 cases:
-        issue 7's paged (within 15 % of dense) and int8 (>= 1.6x our dense run) targets are ratios to it,
+        the paged (within 15 % of dense) and int8 (>= 1.6x our dense run) targets are ratios to it,
         so the bench times it in the same blocks as the case (a ratio of two cases timed minutes apart
-        measures the host's drift: session 13, the same call took 7.0-18.9 ms within the hour)."""
+        measures the host's drift: the same call took 7.0-18.9 ms within the hour)."""
         if self.kind != "decode" or (self.storage == "dense" and self.layout == "BNSD"):
             return None
         return replace(self, name=f"{self.name}:dense", storage="dense", layout="BNSD")
@@ -109,7 +109,7 @@ def multi_token_decode_case(S_q: int, S_kv: int, dtype="bf16") -> Case:
 
 
 def small_decode_case() -> Case:
-    """Issue 7's small call: the per-call host cost (validation, dispatch, launch) dominates here."""
+    """The small call: the per-call host cost (validation, dispatch, launch) dominates here."""
     return Case("decode-bf16-small-b1n8-kv128", "decode", "bf16", 1, 8, 8, 128, 1, 128, min_repeats=300)
 
 

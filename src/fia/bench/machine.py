@@ -110,7 +110,7 @@ class Ceilings:
     torch_version: str = torch.__version__
     cpu_capability: str = field(default_factory=lambda: _cpu_capability())
     # OpenMP workers that spin after each torch op take a core from the next call on small machines
-    # (docs/PERF_DECODE.md, deployment note); scripts/main.sh sets PASSIVE
+    # (docs/performance.md, "Deployment"); scripts/main.sh sets PASSIVE
     omp_wait_policy: str = field(default_factory=lambda: os.environ.get("OMP_WAIT_POLICY", "unset"))
     # the last-level cache the OS reports (MB, 0 unknown): K / V below it can stay cached between calls
     llc_mb: float = field(default_factory=lambda: _llc_mb())

@@ -1,4 +1,4 @@
-"""Timing and memory probes of the prefill backend (issue 8 targets), results logged in docs/PERF_PREFILL.md.
+"""Timing and memory probes of the prefill backend (docs/performance.md, "Prefill").
 
     python -m fia.bench.prefill_tiles time --S 2048 8192 --repeats 5
     python -m fia.bench.prefill_tiles mem            # B=1, N=8, S=32768, D=128 causal, peak RSS

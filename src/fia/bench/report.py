@@ -61,7 +61,7 @@ def ceilings_lines(c: dict) -> list[str]:
 def _cache_lines(c: dict) -> list[str]:
     """The last-level cache, when it is large enough to hold a decode case's K / V (or a good part of the read
     probe): a case whose K / V fit can read partly from the cache between calls, so its rate and % ceil are
-    not DRAM rates (session 9: 480 MB L3; the 4096-key cases (134 MB) took 7-8 ms on the first call after a
+    not DRAM rates (Intel Xeon with AMX: 480 MB L3; the 4096-key cases (134 MB) took 7-8 ms on the first call after a
     768 MB fill and 5 ms from the fourth on; the 16384-key ones (536 MB) 25.5 ms throughout). The read probe
     streams: x.sum read 30-32 GB/s there at 256 MB to 2 GB alike."""
     llc = c.get("llc_mb") or 0

@@ -1,6 +1,6 @@
 """bf16 decode micro-kernels on Intel AMX tiles (`tdpbf16ps`), emitted as LLVM IR.
 
-Why: on the Intel Xeon hosts measured (sessions 7 and 9) the AVX512-BF16 kernels of decode_simd cost ~29
+Why: on the Intel Xeon hosts measured (with AMX) the AVX512-BF16 kernels of simd.py cost ~29
 cycles per key for QK and as much for PV (4 query rows, D = 128, keys in L2): with softmax and the rest,
 ~30 ns per key and KV head per thread, more than the memory needs to deliver those 512 bytes on one
 thread. One `tdpbf16ps` multiplies a 16 x 32 bf16 tile by a 32 x 16 one (8192 multiply-adds); both
@@ -14,7 +14,7 @@ products below read the KV rows straight from memory as tiles, with no shuffles:
   rows: (p_c, 0) pairs for the even channels, (0, p_c) for the odd ones. C = 16 A rows (8 query rows) x 16
   channel pairs, interleaved back into the accumulators at the end of the call.
 
-Both take only whole blocks of 16 keys (the caller runs the tail through decode_simd's qk_dp / pv_dp) and
+Both take only whole blocks of 16 keys (the caller runs the tail through simd.py's qk_dp / pv_dp) and
 the same arguments as qk_dp / pv_dp, including the other-stream prefetch. A block whose 16 rows are not
 evenly spaced (a paged block boundary, a shared prefix) is first copied to a stack buffer. The products
 of two bf16 values are exact in float32 and accumulate in float32, as in qk_dp / pv_dp (only the summation
@@ -23,8 +23,8 @@ order differs); subnormal bf16 inputs count as zero, as for `vdpbf16ps`.
 Tiles are per-thread state: each call loads its tile configuration (ldtilecfg) and releases the tiles at
 the end. Linux hands AMX state to a process only on request (arch_prctl ARCH_REQ_XCOMP_PERM): `HAS_AMX`
 is true where the CPU has AMX-BF16 and that request succeeded; FIA_DECODE_AMX=0 turns the kernels off. On
-other CPUs the intrinsics compile to nothing and are never selected. Same numba-cache note as
-decode_simd.py.
+other CPUs the intrinsics compile to nothing and are never selected. The kernels that embed this IR are
+rebuilt when this file changes (cpu/kernel_cache.py).
 """
 from __future__ import annotations
 
@@ -171,7 +171,7 @@ def _transpose_plan(NRp):
 
 @intrinsic
 def qk_amx(typingctx, qaddr, q_rs, kaddr, offaddr, n, saddr, s_rs, R, D, scale, xaddr, xoffaddr, xn, xrow, xes):
-    """qk_dp (decode_simd) on AMX tiles, for n % 16 == 0, R <= 16 and D in {32, 64, 96, 128}."""
+    """qk_dp (simd.py) on AMX tiles, for n % 16 == 0, R <= 16 and D in {32, 64, 96, 128}."""
     sig = types.void(*([types.int64] * 9 + [types.float32] + [types.int64] * 5))
 
     def body(b, args):
@@ -259,7 +259,7 @@ _INTER_HI = [x for i in range(8, 16) for x in (i, 16 + i)]
 
 @intrinsic
 def pv_amx(typingctx, paddr, p_rs, vaddr, offaddr, n, aaddr, a_rs, R, Dv, xaddr, xoffaddr, xn, xrow, xes):
-    """pv_dp (decode_simd) on AMX tiles, for n % 16 == 0, Dv % 32 == 0 and Dv <= PV_MAX_DV (any R: 8 query
+    """pv_dp (simd.py) on AMX tiles, for n % 16 == 0, Dv % 32 == 0 and Dv <= PV_MAX_DV (any R: 8 query
     rows and 128 channels per pass over the keys)."""
     sig = types.void(*([types.int64] * 14))
 

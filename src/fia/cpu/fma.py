@@ -1,17 +1,17 @@
 """float32 multiply-add micro-kernels of the decode backend for fp16, int8 and bf16 K / V, as LLVM IR.
 
-The counterpart of decode_simd.py for what `vdpbf16ps` cannot take: fp16 values (no fp16 dot product on
+The counterpart of simd.py for what `vdpbf16ps` cannot take: fp16 values (no fp16 dot product on
 the CPUs measured), int8 values (widened: exact), and bf16 on CPUs without AVX512-BF16. Every element is
 widened to float32 in registers (fp16: `vcvtph2ps`; int8: sign extension + convert; bf16: shift) and
 multiplied with float32 FMAs; nothing is rounded that the float32 fused kernels did not round. What they
-add over decode_kernels.qk_fused / pv_fused is the memory side measured in docs/PERF_DECODE.md item 17:
+add over decode.kernels.qk_fused / pv_fused is the memory side (docs/performance.md, "Micro-kernels in LLVM IR"):
 every K / V row is read front to back (interleaved rows halve what the prefetchers stream), the other
-stream is prefetched on the way (decode_simd._prefetch_rows), and the accumulators stay in registers.
+stream is prefetched on the way (simd.prefetch_rows), and the accumulators stay in registers.
 
 * `qk_fma`: s[r, c] = q[r, :] . k_c for float32 query rows (the scale and key dequant factors folded in
   by the caller, as for qk_fused);
 * `pv_fma`: acc[r, :] += sum_c p[r, c] * v_c for float32 probabilities.
-D (Dv) % 16 == 0. Same numba-cache note as decode_simd.py.
+D (Dv) % 16 == 0. The kernels that embed this IR are rebuilt when this file changes (cpu/kernel_cache.py).
 """
 from __future__ import annotations
 
@@ -36,13 +36,13 @@ NARROW = not target_has("avx512f")
 # ops per 16 values; the zero-extending widening took 2 loads + 2 shuffles + 2 shifts, and on Zen 3 its
 # shuffles share a pipe with the FMAs). The caller pairs them: QK with the query de-interleaved the same way
 # once per item, PV with accumulators whose 16-channel groups hold the even channels, then the odd ones
-# (decode_kernels._items puts them back). Exact: the same products, only summed in another order.
+# (decode.kernels._items puts them back). Exact: the same products, only summed in another order.
 KIND_BF16_EO = 5
 # Keys per QK block of NR query rows (qk_narrow; 8 // NR where not listed). Elements widened one chunk at a time
 # (fp16 `vcvtph2ps`, int8) take 4 rows x 3 keys (12 accumulators, 15 of the 16 registers, no spills): fp16 QK
-# in L2 at 4 / 8 rows 0.89-0.93x per key (session 17, in-process A/B, results bitwise equal); 2 rows x 5 keys
+# in L2 at 4 / 8 rows 0.89-0.93x per key (Zen 3, in-process A/B, results bitwise equal); 2 rows x 5 keys
 # 0.93x, x 6 spills (1.25x). bf16 even / odd halves stay at 4 x 2: their widened halves need 2 more registers
-# (4 x 3: 1.19-1.26x), and so does qk_i8 (decode_vnni: 4 x 3 level, 0.99-1.02x).
+# (4 x 3: 1.19-1.26x), and so does qk_i8 (vnni.py: 4 x 3 level, 0.99-1.02x).
 QK_NC_WIDENED = {4: 3, 2: 5}
 
 
@@ -58,7 +58,7 @@ def _vec(ty, lanes):
 
 def _half_bits_to_f32(b, h):
     """IEEE half bits <n x i16> -> <n x float> by integer arithmetic (targets without F16C, where LLVM
-    would call a runtime helper numba does not link); exact, as decode_kernels._fp16_bits_to_f32."""
+    would call a runtime helper numba does not link); exact, as decode.kernels._fp16_bits_to_f32."""
     n = h.type.count
     vi, vf = _vec(I32, n), _vec(F32, n)
 
@@ -106,7 +106,7 @@ def fmadd(b, x, y, acc):
 
 # ---------------------------------------------------------------------------------------------- QK
 def _qk_op(kind: int) -> QKOp:
-    """Float32 query chunks of 16 x widened key chunks of 16, float32 FMAs (decode_simd._qk_block)."""
+    """Float32 query chunks of 16 x widened key chunks of 16, float32 FMAs (simd._qk_block)."""
     es = _esize(kind)
     return QKOp(es, 16 * es, 64, V16F, ZERO16, lambda b, p: widen(b, p, kind),
                 lambda b, acc, q, k: fmadd(b, q, k, acc), lambda b, a: a, lambda b, r0, NR, NC, v: v)
@@ -147,7 +147,7 @@ def _qk_narrow_op(kind: int) -> QKOp:
 
 
 def qk_narrow(b, op, qa, q_rs, ka, offp, sa, s_rs, R, n, D, x, eo=False, nc=None):
-    """A QK kernel's body on 8-lane accumulators (qk_fma here, decode_vnni.qk_i8): blocks of NR query rows
+    """A QK kernel's body on 8-lane accumulators (qk_fma here, vnni.qk_i8): blocks of NR query rows
     (4, 2, 1) x nc[NR] keys (default 8 / NR: 8 accumulators, as two pipes of 4-cycle latency need), D in
     chunks of op.kstep / op.es elements; each query chunk is loaded once for the block's keys (their rows are
     read side by side). D = 128 is straight-line code, other D a loop over the chunks. eo: bf16 keys widened in
@@ -181,7 +181,7 @@ def qk_narrow(b, op, qa, q_rs, ka, offp, sa, s_rs, R, n, D, x, eo=False, nc=None
                 if NR <= 2:
                     # key by key (each key's halves used as soon as they are widened), the query chunks loaded
                     # first: widening every key of the step first kept 2 NC halves live beside the 8
-                    # accumulators (session 18, Zen 3, in L2, in-process A/B: 2 rows 0.89x, 3 rows 0.94x, 1 row
+                    # accumulators (Zen 3, in L2, in-process A/B: 2 rows 0.89x, 3 rows 0.94x, 1 row
                     # level; the blocks' stack moves 86 -> 43 at 1 row x 8 keys, 30 -> 5 at 2 x 4)
                     ks = [b.add(b.mul(k, c64(2)), c64(h)) for h in range(2)]
                     qvs = [[load(b, gep(b, qrows[r], b.mul(kh, c64(op.qstep))), op.qty, qalign) for kh in ks]
@@ -224,7 +224,7 @@ def _pv_pass(b, kind, NR, DG, p0, p_rs, vaddr, offp, n, a0, a_rs, g, x, vrow, la
         c = loop.index
         # the prefetch requests first: their branches end a basic block, and emitted after the widening they
         # kept every widened chunk live across them -- at 1 row x 8 chunks (17 registers) two accumulators
-        # spilled, each FMA chain then went through a store and a reload (session 18, as QK's _qk_block; Zen 3,
+        # spilled, each FMA chain then went through a store and a reload (as QK's _qk_block; Zen 3,
         # in L2, in-process A/B, ns per key: 1 row bf16 0.65-0.69x, int8 0.67-0.73x, 3 rows 0.77-0.89x, 2 / 4 level)
         prefetch_rows(b, x, c, 1)
         prefetch_ahead(b, x, vaddr, offp, n, vrow, c64(es), c, 1)
@@ -267,7 +267,7 @@ def _pv_narrow(b, kind, pa, p_rs, va, offp, n, aa, a_rs, R, Dv, x):
         if NR == 4 and kind != KIND_BF16_EO:
             # widened one chunk at a time (fp16, int8): 4 rows x 3 chunks (12 accumulators, as QK_NC_WIDENED),
             # passes of 24 channels, then the rest 8 at a time. fp16 PV in L2 at 4 / 8 rows 0.83-0.86x per key,
-            # int8 0.95x (session 17, in-process A/B, bitwise equal); bf16 even / odd halves come in pairs of
+            # int8 0.95x (Zen 3, in-process A/B, bitwise equal); bf16 even / odd halves come in pairs of
             # chunks (4 x 2), and widened plainly with 4 x 3 they ran 1.04-1.20x of that
             n3 = b.udiv(Dv, c64(24))
             _pv_passes(b, kind, NR, 3, r0, pa, p_rs, va, offp, n, aa, a_rs, R, Dv, x, 8, 4, c64(0), n3)

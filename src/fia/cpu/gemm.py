@@ -1,8 +1,8 @@
 """GEMM micro-kernels of the prefill flash kernel (bf16: AVX512-BF16 `vdpbf16ps`; fp16: widen + FMA), as LLVM IR.
 
 Why: ATen's CPU flash kernel (what SDPA runs) reaches ~35 % of this machine's bf16 matmul rate on the
-benchmark's prefill cases (docs/PERF_PREFILL.md, session 6); a register-blocked `vdpbf16ps` loop reaches
-~90 % of it in cache (measured: 195 GFLOP/s QK, 227 GFLOP/s PV on one core).
+benchmark's prefill cases (docs/performance.md, "FIA's own flash kernel vs torch's"); a register-blocked
+`vdpbf16ps` loop reaches ~90 % of it in cache (measured: 195 GFLOP/s QK, 227 GFLOP/s PV on one core).
 
 `gemm_bf16`: C[R, NCOL] (float32, `=` or `+=`) = sum over pairs p of A[r, p] * B[p, :] where
 * A: rows of bf16 *pairs* (one dword = two consecutive elements of the reduction axis), rows a_rs bytes apart;
@@ -12,14 +12,13 @@ For QK, A = query rows (pairs along the head dim) and B = a key tile packed [D/2
 probabilities (pairs along keys) and B = a value tile packed [keys/2, Dv]. Blocks of NR = 6 rows x 64
 columns (24 accumulators): per pair step 4 loads of B, 6 broadcasts of A, 24 `vdpbf16ps`. R must be a
 multiple of 6 and NCOL of 64 (the callers pad their scratch). Products of bf16 values are exact in float32;
-the sums accumulate in float32 (bf16 subnormals count as zero, as in decode_simd).
+the sums accumulate in float32 (bf16 subnormals count as zero, as in simd.py).
 
 `gemm_f16`: the same blocks for float16 operands (no fp16 dot product on the CPUs measured): A float32 rows
 (the query converted once per item, the probabilities unrounded), B float16 rows widened in registers
 (`vcvtph2ps`), float32 FMAs (a key tile transposed [D, keys] for QK, value rows [keys, Dv] for PV).
 
-Numba's on-disk cache keys prefill_kernels' compiled functions on prefill_kernels.py alone: after editing
-this file (or decode_simd), touch prefill_kernels.py so the kernels are rebuilt.
+The prefill kernels that embed this IR are rebuilt when this file (or simd.py) changes (cpu/kernel_cache.py).
 """
 from __future__ import annotations
 

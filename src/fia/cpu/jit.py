@@ -93,15 +93,15 @@ def _generic_items(fn, sig) -> bool:
 
 register(KernelSet("decode", "fia.backends.decode.kernels",
                    ("kernel_flags", "split_work", "fill_factors", "attend_items", "merge", "attend_merge"),
-                   "fia.cpu.warmup:run_decode"))
+                   "fia.kernel_warmup:run_decode"))
 # float32 / int4 K or V, MLA rope, head dims not multiples of 16: attend_items' second build (about half the
 # decode build's compile time), needed by few calls
 register(KernelSet("decode-generic", "fia.backends.decode.kernels", ("attend_items",),
-                   "fia.cpu.warmup:run_decode_generic", _generic_items))
+                   "fia.kernel_warmup:run_decode_generic", _generic_items))
 register(KernelSet("prefill", "fia.backends.prefill.kernels", ("pack_items", "flash_items"),
-                   "fia.cpu.warmup:run_prefill"))
+                   "fia.kernel_warmup:run_prefill"))
 register(KernelSet("prefill-pse", "fia.backends.prefill.pse_kernels", ("row_stats",),
-                   "fia.cpu.warmup:run_prefill_pse"))
+                   "fia.kernel_warmup:run_prefill_pse"))
 
 
 # ---------------------------------------------------------------------------------------------- state

@@ -1,8 +1,8 @@
 """bf16 dot-product micro-kernels of the decode backend (AVX512-BF16 `vdpbf16ps`), emitted as LLVM IR.
 
-Why: the fused float32 kernels (decode_kernels.qk_fused / pv_fused) widen every bf16 element and then
+Why: the fused float32 kernels (decode.kernels.qk_fused / pv_fused) widen every bf16 element and then
 multiply-add 16 lanes per instruction; on the machines measured that leaves the decode kernel
-compute-bound at ~120 cycles per key and KV head (docs/PERF_DECODE.md). `vdpbf16ps` multiplies 32 bf16
+compute-bound at ~120 cycles per key and KV head (docs/performance.md). `vdpbf16ps` multiplies 32 bf16
 pairs and accumulates them into 16 float32 lanes in one instruction at the same rate as one float32
 FMA: twice the multiply-adds, and no widening. Numba has no vector types, so the loops below are
 written with llvmlite's IR builder inside numba intrinsics (the arrays reach them as addresses).
@@ -51,7 +51,7 @@ def target_has(*features: str) -> bool:
         return False
 
 
-# element kinds of a buffer (every buffer reaches the kernels as bytes; decode.py passes them in ip)
+# element kinds of a buffer (every buffer reaches the kernels as bytes; decode/backend.py passes them in ip)
 KIND_F32, KIND_BF16, KIND_FP16, KIND_I8, KIND_I4 = 0, 1, 2, 3, 4
 
 _HOST_DP = target_has("avx512bf16", "avx512f")
@@ -179,7 +179,8 @@ def prefetch_ahead(b, x, addr, offp, n, row_bytes, es, c, nc):
     """Request the kernel's own rows (row_bytes each, `es`-byte elements at offsets offp[c] of the buffer at
     addr, keys < n) x's `ahead` keys past c .. c + nc - 1 into L1 (prefetcht0), when ahead != 0. The other
     stream's prefetch brings them from DRAM a phase earlier, but a share still misses when the row is
-    read; this short-distance request covers it (session 8: two threads +2-25 %, docs/PERF_DECODE.md)."""
+    read; this short-distance request covers it (Zen 5: two threads +2-25 %; docs/performance.md,
+    "Software prefetch")."""
     ahead = x[6]
     with b.if_then(b.icmp_unsigned("!=", ahead, c64(0))):
         prefetch_rows(b, (addr, offp, n, row_bytes, es, None), b.add(c, ahead), nc, locality=3)
@@ -332,7 +333,7 @@ def _qk_block(b, op, NR, NC, r0, q0, q_rs, kaddr, offp, c, s0, s_rs, nd, ND, x, 
     core but only half that when rows are read interleaved. With ND known the block is straight-line
     code, so the NR x NC accumulation chains overlap (vdpbf16ps has a 6-cycle latency)."""
     # the prefetch requests first, before the accumulators exist: emitted after the FMAs, their code kept
-    # every accumulator live across it (decode_fma._qk_narrow: measured on Zen 3; here static only: qk_fma
+    # every accumulator live across it (fma._qk_narrow: measured on Zen 3; here static only: qk_fma
     # for an AVX-512 target, vector spills / reloads in the function 246 / 126 -> 17 / 5)
     prefetch_rows(b, x, c, NC)
     prefetch_ahead(b, x, kaddr, offp, n, c64(ND * op.kstep) if ND else b.mul(nd, c64(op.kstep)), c64(op.es), c, NC)
@@ -362,7 +363,7 @@ def store_scores(b, op, accs, NR, NC, r0, s0, s_rs, c, lanes=16):
     """A QK block's scores: the lane sums of its NR x NC accumulators (op.to_float first), op.finish on them
     row-major, each row's NC scores in one store (keys c .. c + NC - 1 of score row r0 + r at s0 + 4 s_rs r)."""
     L = NR * NC
-    if NC & (NC - 1):             # 3 or 5 keys (decode_fma.QK_NC_WIDENED): a tree per row, padded with zeros
+    if NC & (NC - 1):             # 3 or 5 keys (fma.QK_NC_WIDENED): a tree per row, padded with zeros
         for r in range(NR):
             vecs = [op.to_float(b, b.load(accs[r][j])) for j in range(NC)]
             vecs += [ir.Constant(vecs[0].type, [0.0] * lanes)] * ((1 << (NC - 1).bit_length()) - NC)
@@ -395,7 +396,7 @@ def _store_row(b, part, s0, s_rs, r, c):
 
 
 def qk_blocks(b, qa, q_rs, sa, s_rs, R, n, x, block, NC, preload):
-    """The QK schedule shared by qk_dp, decode_fma.qk_fma and decode_vnni.qk_i8: query rows in blocks of 4, 2,
+    """The QK schedule shared by qk_dp, fma.qk_fma and vnni.qk_i8: query rows in blocks of 4, 2,
     1 (row_blocks), keys in blocks of NC (or NC(NR) when NC is callable) then 1; block(NR, NC, r0, q0, c, s0,
     x, qregs) emits one block (r0: its first query row, q0: that row's address, c: its first key, s0: its
     first score row address, x: the other stream for its keys, qregs: preload(NR, q0) once per row block, or
@@ -420,7 +421,7 @@ QK_UNROLLED = (4, 2)         # D = 128, 64: straight-line blocks; other D % 32 =
 
 
 def qk_kernel(b, op, qa, q_rs, ka, offp, sa, s_rs, R, n, D, x, chunk, unrolled):
-    """The body of a QK kernel (qk_dp, decode_fma.qk_fma, decode_vnni.qk_i8): op's blocks over the
+    """The body of a QK kernel (qk_dp, fma.qk_fma, vnni.qk_i8): op's blocks over the
     qk_blocks schedule, D in chunks of `chunk` elements; head dims of `unrolled` chunk counts as
     straight-line code, the others as a loop over chunks."""
     nd = b.udiv(D, c64(chunk))
@@ -450,7 +451,8 @@ def shared(b, x, r0, R, rows):
     """x for the row block of first row r0 (blocks of `rows` rows, the last ones maybe smaller): each of
     the ceil(R / rows) passes over the keys prefetches its share of the key pairs. Requesting everything
     in the first pass (as before) left the memory idle during the others: one thread, bf16 KV from DRAM,
-    R = 4: 135 -> 111 cycles per key-head (PV 54 -> 31); two threads 3-13 % (docs/PERF_DECODE.md, session 7)."""
+    R = 4: 135 -> 111 cycles per key-head (PV 54 -> 31); two threads 3-13 % (docs/performance.md,
+    "Software prefetch")."""
     return tuple(x) + (b.udiv(r0, c64(rows)), b.udiv(b.add(R, c64(rows - 1)), c64(rows)))
 
 
@@ -583,7 +585,7 @@ def pair_blocks(b, n, block, start, step, finish):
 
 
 def pv_pairs_kernel(b, op_of, pa, p_rs, va, offp, n, aa, a_rs, R, Dv, x):
-    """The body of a key-pair PV kernel (pv_dp, decode_vnni.pv_i8): _pv_rows with op_of(first row) over the
+    """The body of a key-pair PV kernel (pv_dp, vnni.pv_i8): _pv_rows with op_of(first row) over the
     pv_row_blocks schedule, 128 channels per pass where Dv allows, else 64."""
     def rows_of(NR, DG, r0):
         _pv_rows(b, op_of(r0), NR, DG, b.add(pa, b.mul(r0, p_rs)), p_rs, va, offp, n,
@@ -592,7 +594,7 @@ def pv_pairs_kernel(b, op_of, pa, p_rs, va, offp, n, aa, a_rs, R, Dv, x):
 
 
 def pv_row_blocks(b, R, Dv, widths, body):
-    """The PV schedule shared by pv_dp, decode_fma.pv_fma and decode_vnni.pv_i8: rows in blocks of 2 (then 1),
+    """The PV schedule shared by pv_dp, fma.pv_fma and vnni.pv_i8: rows in blocks of 2 (then 1),
     each pass over the keys covering as many channels as its accumulators hold. widths: ((m, DG), ..., DG_default): DG
     chunks per pass for the first m with Dv % m == 0 (128 channels: every row of D = 128 read front to
     back in one pass, the order the prefetchers stream best). body(NR, DG, first row)."""
@@ -646,7 +648,7 @@ def _fc(v, lanes=16):
 
 
 def _exp16(b, x):
-    """decode_kernels.fexp on 16 lanes, operation for operation (x <= 0; NaN propagates; x < -87 -> 0)."""
+    """decode.kernels.fexp on 16 lanes, operation for operation (x <= 0; NaN propagates; x < -87 -> 0)."""
     floor = declare(b, "llvm.floor.v16f32", ir.FunctionType(V16F, [V16F]))
     lim = _fc(-87.0)
     low = b.fcmp_ordered("<", x, lim)
@@ -663,7 +665,7 @@ def _exp16(b, x):
 
 
 def _bf16_bits16(b, v):
-    """decode_kernels.f32_to_bf16_bits on 16 lanes: round to nearest even, NaN -> quiet NaN."""
+    """decode.kernels.f32_to_bf16_bits on 16 lanes: round to nearest even, NaN -> quiet NaN."""
     u = b.bitcast(v, V16I)
     c = lambda k: ir.Constant(V16I, [k] * 16)  # noqa: E731
     hi = b.lshr(u, c(16))
@@ -674,11 +676,11 @@ def _bf16_bits16(b, v):
 
 @intrinsic
 def exp_rows(typingctx, saddr, n, mx, paddr, mode, inv):
-    """The softmax pass of decode_kernels.softmax_chunk over one row, 16 lanes at a time, for the first
+    """The softmax pass of decode.kernels.softmax_chunk over one row, 16 lanes at a time, for the first
     n - n % 16 scores: s[c] = fexp(s[c] - mx) in place (float32 at saddr); mode 1: also p[c] = its bf16
     bits, mode 2: p[c] = int16(min(rint(s[c] * inv), 32767)) (16-bit at paddr); returns the sum of the
     new s[c]. The caller finishes the n % 16 tail. numba vectorizes its own loop 8 lanes wide on CPUs
-    where LLVM prefers 256-bit vectors: 0.84 ns per score there (session 9)."""
+    where LLVM prefers 256-bit vectors: 0.84 ns per score there (Intel Xeon with AMX)."""
     sig = types.float32(types.int64, types.int64, types.float32, types.int64, types.int64, types.float32)
 
     def codegen(context, builder, signature, args):
@@ -714,7 +716,7 @@ def max_f32(typingctx, addr, n, init, absolute):
     """max(init, x[0], ..., x[n - 1]) for the float32 x at addr (absolute != 0: of |x[i]|), 4 x 16 lanes at
     a time. numba's own loops keep this reduction scalar (a maxss chain, ~0.5 ns per element) unless the
     caller is compiled with nnan. NaN elements are skipped (maxnum): callers rule NaN out or do not need it
-    (decode_kernels.softmax_chunk: exp(NaN - max) is NaN whatever the max)."""
+    (decode.kernels.softmax_chunk: exp(NaN - max) is NaN whatever the max)."""
     sig = types.float32(types.int64, types.int64, types.float32, types.int64)
 
     def codegen(context, builder, signature, args):

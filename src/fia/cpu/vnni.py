@@ -1,11 +1,11 @@
 """int8 K / V micro-kernels of the decode backend with 16-bit integer dot products (AVX512-VNNI `vpdpwssd`).
 
-Why: int8 K / V halve the bytes of bf16, but the float32 FMA kernels (decode_fma) must widen every int8
+Why: int8 K / V halve the bytes of bf16, but the float32 FMA kernels (fma.py) must widen every int8
 element (sign extension + convert per 16 values) and multiply 16 lanes per instruction, which left int8
-decode at bf16's speed (docs/PERF_DECODE.md item 18). `vpdpwssd` multiplies 32 int16 pairs and accumulates
-them into 16 int32 lanes in one instruction; an int8 value only needs a sign extension to int16.
+decode at bf16's speed (docs/performance.md, "int8: int16 operands"). `vpdpwssd` multiplies 32 int16 pairs
+and accumulates them into 16 int32 lanes in one instruction; an int8 value only needs a sign extension to int16.
 
-The float operand is quantized to int16 by the caller (decode_kernels.quant_i16): one float32 scale per row
+The float operand is quantized to int16 by the caller (decode.kernels.quant_i16): one float32 scale per row
 (max |x| / 32767), values rounded to nearest. That is an error of half a step, 1.53e-5 of the row's
 largest magnitude per element: below the rounding of the fp16 / bf16 operands the hardware multiplies (its cube
 unit takes the dequantized K in fp16 / bf16 and P rounded to fp16 / bf16). The integer products and sums
@@ -18,12 +18,13 @@ are exact; the 16 lanes are converted to float32 before they are summed (docs/DE
   scale ws (float32 per row), int8 value rows. Keys are summed in blocks of 512 (each lane: at most 512
   products of |w v| <= 32767 * 128, below 2^31), each block added to the float32 accumulators.
 
-CPUs without AVX-512 (decode_fma.NARROW: 16 vector registers of 8 lanes) run 8-lane forms of both kernels
-(decode_fma._qk_narrow with an int16 QKOp, _pv_narrow_i8) on AVX2 `vpmaddwd` (pairwise int16 products summed
+CPUs without AVX-512 (fma.NARROW: 16 vector registers of 8 lanes) run 8-lane forms of both kernels
+(fma._qk_narrow with an int16 QKOp, _pv_narrow_i8) on AVX2 `vpmaddwd` (pairwise int16 products summed
 into int32 lanes) plus an add: the same integer arithmetic, 8 lanes per instruction. On a CPU without the
 instruction the same IR computes the products with int32 multiplies (exact), so the code always compiles; the
 backend selects these kernels where the instruction of the width exists (`HAS_VNNI`: AVX512-VNNI, or AVX2 for
-the narrow ones), or when forced for testing (FIA_DECODE_VNNI=1). Same numba-cache note as decode_simd.py.
+the narrow ones), or when forced for testing (FIA_DECODE_VNNI=1). The kernels that
+embed this IR are rebuilt when this file changes (cpu/kernel_cache.py).
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ _HOST_VNNI = target_has("avx512vnni", "avx512bw", "avx512f")
 _HOST_AVX2 = target_has("avx2")
 # FIA_DECODE_VNNI: "0" never use these kernels, "1" always (emulated where the CPU lacks the instruction),
 # unset: where the CPU has the instruction of its width: AVX512-VNNI, or AVX2 `vpmaddwd` for the 8-lane
-# (NARROW) kernels of CPUs without AVX-512 (AMD Zen 3, session 11, two threads, int8 bench cases at 4096 keys:
+# (NARROW) kernels of CPUs without AVX-512 (AMD Zen 3, two threads, int8 bench cases at 4096 keys:
 # 9.4-9.8 -> 5.9-6.0 ms against the float32 FMA kernels; in L2, 4 rows, ns per key: QK 20.4 -> 12.6, PV 15.5 -> 10.9)
 HAS_VNNI = {"0": False, "1": True}.get(os.environ.get("FIA_DECODE_VNNI", ""),
                                        _HOST_AVX2 if NARROW else _HOST_VNNI)
@@ -104,7 +105,7 @@ def _row_scale(b, addr, r):
 def qk_i8(typingctx, qaddr, q_rs, kaddr, offaddr, n, saddr, s_rs, R, D, qsaddr, xaddr, xoffaddr, xn, xrow, xes):
     """s[r, c] = qs[r] * q[r, :D] . K[c, :D], r < R, c < n. q: int16 at qaddr, rows q_rs bytes apart; qs:
     float32 per row at qsaddr; key c: int8 at element offs[c] of the buffer at kaddr; offs: int64 at offaddr;
-    s: float32 at saddr, rows s_rs elements apart. D % 32 == 0, D <= QK_MAX_D. Prefetching as decode_simd.qk_dp."""
+    s: float32 at saddr, rows s_rs elements apart. D % 32 == 0, D <= QK_MAX_D. Prefetching as simd.qk_dp."""
     sig = types.void(*([types.int64] * 15))
 
     def body(b, args):
@@ -156,7 +157,7 @@ _PAIR_BYTES = [[x for i in range(h, h + 8) for x in (i, 16 + i)] for h in (0, 8)
 
 
 def _pv_narrow_i8(b, wa, w_rs, va, offp, n, aa, a_rs, R, Dv, wsa, x):
-    """pv_i8's body on 8-lane vectors (as decode_fma._qk_narrow): blocks of NR rows (4, 2, 1) x DG = 8 / NR
+    """pv_i8's body on 8-lane vectors (as fma._qk_narrow): blocks of NR rows (4, 2, 1) x DG = 8 / NR
     chunks of 8 channels per pass over the keys, 8 int32 accumulators of `vpmaddwd` sums over key pairs (the
     two keys' bytes interleaved); blocks of 512 keys (see pv_i8), each added to the float32 accumulators
     times ws[r]."""
@@ -209,7 +210,7 @@ def pv_i8(typingctx, waddr, w_rs, vaddr, offaddr, n, aaddr, a_rs, R, Dv, wsaddr,
     """acc[r, :Dv] += ws[r] * sum_c w[r, c] * V[c, :Dv], r < R, c < n. w: int16 at waddr, rows w_rs bytes
     apart, read as (w[r, c], w[r, c + 1]) pairs (one readable entry past n - 1 when n is odd: its weight
     is masked to 0); ws: float32 per row at wsaddr; value c: int8 at element offs[c] of the buffer at vaddr;
-    acc: float32 at aaddr, rows a_rs elements apart. Dv % 64 == 0. Prefetching as decode_simd.pv_dp."""
+    acc: float32 at aaddr, rows a_rs elements apart. Dv % 64 == 0. Prefetching as simd.pv_dp."""
     sig = types.void(*([types.int64] * 15))
 
     def body(b, args):

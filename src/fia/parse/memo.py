@@ -3,7 +3,7 @@
 A call whose tensors are query, key and value only gives parse nothing to read but metadata: the tensors'
 dtype, shape, strides and device, and the values and types of the other arguments (ints, floats, strings,
 bools, None, lists of ints), plus the entry point and the validation mode. Equal metadata therefore parse
-to the same problem over other tensors, so the full parse (~30-40 us, issue 7's small call) runs once per
+to the same problem over other tensors, so the full parse (~30-40 us on the benchmark's small call) runs once per
 signature and later calls only re-view their tensors (`lookup`). Only successful parses are stored: an
 invalid call never has a stored signature and always runs the full parse, with its own error.
 
@@ -31,6 +31,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 import torch
 
+from .. import caches
 from ..config import is_strict
 from ..problem.layout import to_canonical
 from ..problem.attention import AttentionProblem, PagedKV
@@ -48,12 +49,13 @@ _SCALARS = frozenset({type(None), bool, int, float, str, list, tuple})   # the o
 _INTS = frozenset({int})
 _SEQS = frozenset({list, tuple})
 _ONES, _FLOATS = repeat(1.0), repeat(float)
-_MAX = 256                   # stored signatures (cleared when full: a loop over many shapes only re-parses)
-_MEMO: dict = {}             # signature -> (problem without its tensors or None: parse each time,
-                             #   kv type or _PagedRecipe, memo_key, _AntiquantRecipe or None)
+_MAX = 256                   # stored signatures (fia.caches: cleared when full; a loop over many shapes re-parses)
+# signature -> (problem without its tensors or None: parse each time, kv type or _PagedRecipe, memo_key,
+# _AntiquantRecipe or None)
+_MEMO = caches.BoundedCache("parse.memo", _MAX)
 _KEYS = count()              # memo_keys
-_SEEN: set = set()           # hashes of the signatures parsed once (admission: stored the second time)
 _MAX_SEEN = 4096
+_SEEN = caches.BoundedSet("parse.seen", _MAX_SEEN)     # hashes of the signatures parsed once (stored the second time)
 # lookups: misses - _HIT_CREDIT x hits, in [0, 2 _TRIAL]. From _TRIAL on (a third of the lookups or fewer hit) only one
 # call in _PROBE looks up its signature
 _TRIAL, _PROBE, _HIT_CREDIT = 64, 8, 2
@@ -224,12 +226,8 @@ def remember(sig: tuple, p: AttentionProblem, a: dict) -> AttentionProblem:
         return p.evolve(memo_key=known[2])
     h = hash(sig)
     if h not in _SEEN:
-        if len(_SEEN) >= _MAX_SEEN:
-            _SEEN.clear()
-        _SEEN.add(h)
+        _SEEN.put(h)
         return p
-    if len(_MEMO) >= _MAX:
-        _MEMO.clear()
     key = next(_KEYS)
     aqr = None if p.antiquant is None else _AntiquantRecipe.of(p.antiquant, a)
     ok = _rebuildable(p) and (p.antiquant is None or aqr is not None)
@@ -237,5 +235,5 @@ def remember(sig: tuple, p: AttentionProblem, a: dict) -> AttentionProblem:
     kvr = type(p.kv)
     if p.kv.kind == "paged":
         kvr = _PagedRecipe(p.KV_N, p.kv.block_size, np.array(p.kv.blocks_used, dtype=np.int64), p.kv.key.shape[0])
-    _MEMO[sig] = (template, kvr, key, aqr)
+    _MEMO.put(sig, (template, kvr, key, aqr))
     return p.evolve(memo_key=key)

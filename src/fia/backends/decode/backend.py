@@ -3,7 +3,7 @@ supports, prefers, describes; plan / launch); the stages live beside it: inputs.
 call), plan.py (what follows from metadata, memoized), execute.py (launch and merge), replay.py (fia.replay's
 re-launch of a kept plan).
 
-Design (issue 7):
+Design:
 * grouped heads: one work item owns one KV head and all its G * Q_S query rows, so every K/V row is
   read once per item and used by the whole group (no repeat of K/V, no per-head re-reads);
 * split-KV: work items are (batch, KV head, key range); long sequences are cut into ranges so that
@@ -48,7 +48,7 @@ from .replay import Replay, prepare
 
 MAX_Q_S = 16
 PREFILL_ROWS = 128          # Q_S > 1 with more rows per KV head than this: prefer the prefill backend
-_KERNEL_SETS = ("decode",)  # fia.cpu.jit: the decode_kernels entry points every call runs
+_KERNEL_SETS = ("decode",)  # fia.cpu.jit: the decode kernels' entry points every call runs
 _KERNEL_SETS_GENERIC = ("decode", "decode-generic")
 
 
@@ -87,7 +87,7 @@ class DecodeBackend(Backend):
 
     def preference(self, p: AttentionProblem) -> int:
         """Q_S > 1 with more than PREFILL_ROWS query rows per KV head: rank below the prefill backend, which
-        is faster there for fp16 (measured, docs/PERF_DECODE.md iteration 11 and session 9: at 256 rows
+        is faster there for fp16 (measured, docs/performance.md, "Multi-token decode": at 256 rows
         decode / prefill bf16 17.6 / 35.7 ms, fp16 33.2 / 24.6; at 128 rows and below decode wins for bf16,
         fp16 and float32); it still runs when forced."""
         if p.Q_S > 1 and p.G * p.Q_S > PREFILL_ROWS:

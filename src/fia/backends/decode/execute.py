@@ -13,7 +13,7 @@ from .inputs import Inputs, Source
 from .plan import Launch, Plan
 
 # [chunks whose QK ran the int16 query kernels, all chunks] x KV heads, summed over every call (atomic adds in the
-# kernels): which QK path the data chose (decode_kernels.I8_QK_MAX_ERR), for tests and measurements
+# kernels): which QK path the data chose (kernels.I8_QK_MAX_ERR), for tests and measurements
 QK_STATS = np.zeros(2, np.int64)
 
 

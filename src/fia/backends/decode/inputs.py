@@ -89,7 +89,7 @@ class Inputs:
         if um is not None and um.dtype not in (torch.bool, torch.int8, torch.uint8):
             um = (um != 0).to(torch.uint8)          # legacy float16 masks: nonzero = masked
         self.mask = um
-        # exceptional: factors applied outside the loop that are NaN / infinite / huge (decode_kernels.EXC_FACTOR)
+        # exceptional: factors applied outside the loop that are NaN / infinite / huge (kernels.EXC_FACTOR)
         self.kchan, self.vcs, self.vco, self.exceptional = _dequant_factors(p)
         self.sink = _dummy(np.float32) if p.sink is None else p.sink.detach().to(torch.float32).contiguous().numpy()
         self.sources = list(_sources(p))
@@ -122,7 +122,7 @@ def chan_modes(aq):
 
 def _dequant_factors(p: AttentionProblem):
     """kchan [modes, KV_N, D] (scale, offset), vcs / vco [KV_N, Dv] float32 (dummies where absent), and whether
-    one of them is exceptional (decode_kernels.fill_factors)."""
+    one of them is exceptional (kernels.fill_factors)."""
     aq = p.antiquant
     if aq is None:
         return no_factors() + (False,)
@@ -141,11 +141,11 @@ def _factor_arrays(meta: tuple, tensors: tuple) -> tuple:
     return fill_factors(meta, factor_specs(meta, tensors))
 
 
-_GRANS = {"tensor": 0, "channel": 1, "head": 2}     # decode_kernels.GRAN_*
+_GRANS = {"tensor": 0, "channel": 1, "head": 2}     # kernels.GRAN_*
 
 
 def factor_specs(meta: tuple, tensors: tuple) -> np.ndarray:
-    """decode_kernels.fill_factors' specs [4, FS_LEN] of the (key scale, key offset, value scale, value offset)
+    """kernels.fill_factors' specs [4, FS_LEN] of the (key scale, key offset, value scale, value offset)
     tensors that are applied outside the loop (chan_modes; the others absent: address 0). Each tensor holds
     1, H x D or H values (its granularity) in its logical order: anything else is a parse bug, raised here
     (the kernel writes that many values)."""
@@ -165,7 +165,7 @@ def factor_specs(meta: tuple, tensors: tuple) -> np.ndarray:
 
 
 def fill_factors(meta: tuple, specs: np.ndarray) -> tuple:
-    """_dequant_factors' arrays and flag, filled from the factor tensors in place (decode_kernels.fill_factors)."""
+    """_dequant_factors' arrays and flag, filled from the factor tensors in place (kernels.fill_factors)."""
     _, _, kmode, vmode, H, D, Dv = meta
     kchan, vcs, vco = no_factors()
     if kmode:

@@ -1,4 +1,4 @@
-"""Numba kernels of the decode backend (see decode.py for the plan that feeds them).
+"""Numba kernels of the decode backend (see backend.py for the plan that feeds them).
 
 CPU only. Everything accumulates in float32. Half-precision data is read in place as uint16 bit
 patterns (numba has no float16): bf16 -> f32 is `bits << 16`; fp16 -> f32 is the bit-level widening
@@ -6,10 +6,10 @@ below (subnormals, inf and nan included). int8 is widened, int4 (eight nibbles p
 first, SPEC 10.4) is unpacked per row. Nothing is converted or copied ahead of the loop.
 
 Which inner loops run QK and PV (chosen per item, see `_items`):
-* bf16 K / V on CPUs with AVX512-BF16: decode_simd.qk_dp / pv_dp (bf16 dot products, LLVM IR);
-* other bf16 / fp16 / int8 K / V with head dims that are multiples of 16: decode_fma.qk_fma / pv_fma
+* bf16 K / V on CPUs with AVX512-BF16: cpu.simd.qk_dp / pv_dp (bf16 dot products, LLVM IR);
+* other bf16 / fp16 / int8 K / V with head dims that are multiples of 16: cpu.fma.qk_fma / pv_fma
   (widened in registers, float32 FMAs, LLVM IR). Both read rows front to back and prefetch the other
-  stream (docs/PERF_DECODE.md item 17);
+  stream (docs/performance.md, "Micro-kernels in LLVM IR");
 * the rest (float32, int4, MLA rope, other head dims; the "generic" build): the numba loops below, which
   widen each row into a small float32 chunk buffer (load_rows + qk_block / pv_block) or straight from the
   cache (qk_fused / pv_fused).
@@ -50,39 +50,39 @@ from ...cpu.vnni import HAS_VNNI, I8_DOT, QK_MAX_D, pv_i8, qk_i8  # noqa: F401 -
 # Numba's cache of these kernels also follows the files whose code they embed (cpu/kernel_cache.py)
 kernel_cache.install()
 
-# ip[IP_DP] of a call (kernel choice): the bf16 dp kernels where the CPU has AVX512-BF16 (decode_simd.HAS_DP),
-# the other stream prefetched by the IR kernels (DP_NTA: with prefetchnta, not prefetcht1: session 8, two
+# ip[IP_DP] of a call (kernel choice): the bf16 dp kernels where the CPU has AVX512-BF16 (cpu.simd.HAS_DP),
+# the other stream prefetched by the IR kernels (DP_NTA: with prefetchnta, not prefetcht1: Zen 5, two
 # threads, interleaved A/B: int8 +8-13 %, paged bf16 +7-9 %, bf16 dense 0-4 %; fp16 -2-4 % without DP_AHEAD
 # but +7-22 % with it). (bf16 / fp16 / int8 K and V that the dp kernels do not take
-# go through the float32 FMA kernels of decode_fma when the head dim is a multiple of 16.)
-# int8 K / V use the 16-bit integer dot-product kernels of decode_vnni where the CPU has AVX512-VNNI (or AVX2,
+# go through the float32 FMA kernels of cpu/fma.py when the head dim is a multiple of 16.)
+# int8 K / V use the 16-bit integer dot-product kernels of cpu/vnni.py where the CPU has AVX512-VNNI (or AVX2,
 # for the 8-lane kernels of CPUs without AVX-512).
-# DP_AHEAD: each kernel also requests its own rows AHEAD_BYTES ahead into L1 (at most 63 rows; session 8, two
+# DP_AHEAD: each kernel also requests its own rows AHEAD_BYTES ahead into L1 (at most 63 rows; Zen 5, two
 # threads, interleaved A/B against nta alone: bf16 dense +9-12 %, fp16 +7-25 %, int8 +9-13 %, paged +2-9 %;
 # the PV request for int8 V measured -4 % and is left out; 2 / 4 / 6 / 8 KB ahead: bf16 and int8 level,
 # fp16 best at 8 KB).
 DP_QK, DP_PV, DP_PREFETCH, DP_I8, DP_NTA, DP_AHEAD, DP_AMX, DP_AMX_ANY = 1, 2, 4, 8, 16, 32, 64, 128
 # DP_EO: the 8-lane FMA kernels (CPUs without AVX-512) widen bf16 K / V in even / odd halves
-# (decode_fma.KIND_BF16_EO): the query rows de-interleaved per 16 channels, PV's accumulators restored at the end
+# (cpu.fma.KIND_BF16_EO): the query rows de-interleaved per 16 channels, PV's accumulators restored at the end
 DP_EO = 256
 # DP_NO_PV_K: PV does not request the next chunk's K rows (QK still requests its chunk's V rows): the "-v"
 # policies below. The hardware prefetchers stream QK's K rows read front to back, not PV's passes over V
-# (32 bytes per row per pass): session 17, Zen 3, kernels alone from DRAM (4 rows, bf16, ns per key): QK 24.7
+# (32 bytes per row per pass): Zen 3, kernels alone from DRAM (4 rows, bf16, ns per key): QK 24.7
 # against 19.5 in L2, PV 52.9 against 16.7. What PV requests of the next K chunk competes with its own misses.
 DP_NO_PV_K = 512
 # DP_TOUCH: items of several KV heads (IP_HB > 1) first read the chunk's rows of all their heads front to back
 # (touch_rows: demand loads, which the hardware prefetchers stream), then run each head's kernels on them from
 # the caches. One head's rows alone are 256 bytes every KV_N x 256 (BSH): no prefetcher streams that, and
-# software prefetches of them did not help (session 19, Zen 3, one thread, 256 MB: 256-byte rows every 2 KB
+# software prefetches of them did not help (Zen 3, one thread, 256 MB: 256-byte rows every 2 KB
 # 7.0-7.5 GB/s with or without prefetcht1 4-64 rows ahead, every 512 bytes 7.5, contiguous 14.5-19; a copy of
 # all heads' rows in token order 12.4 GB/s against 3.5-3.9 head by head). Left out for launches that read at
 # most PREFETCH_MIN_BYTES (likely cached), as the prefetch bits.
 DP_TOUCH = 1024
 # Which prefetch policy pays depends on the CPU (two threads, bench shapes, same code, GB/s):
-# * AMD Zen 5 (session 8): nta + ahead 37-43, t1 alone 33-36 -> "nta+ahead";
-# * Intel Xeon with AMX (sessions 7 and 9): t1 alone 20-22.6, t1 + ahead 19-20, nta 18-21, nta + ahead 8.3-8.9
+# * AMD Zen 5: nta + ahead 37-43, t1 alone 33-36 -> "nta+ahead";
+# * Intel Xeon with AMX: t1 alone 20-22.6, t1 + ahead 19-20, nta 18-21, nta + ahead 8.3-8.9
 #   (prefetchnta lines land in L1 only there and are evicted before the use a chunk later), none 14.5-15 -> "t1".
-# * AMD Zen 3, AVX2 only (session 17; in process, alternating rounds, time against nta + ahead): nta-v bf16 two
+# * AMD Zen 3, AVX2 only (in process, alternating rounds, time against nta + ahead): nta-v bf16 two
 #   threads 0.93 (40 rounds) / 0.95 (30), one thread 0.90 (30); int8 0.96 / one thread 0.93; fp16 0.98; paged
 #   bf16 / fp16 1.04 / 0.97 (20); nta alone 1.04; the pipeline of the two kernels from DRAM 0.81-0.83 -> "nta-v".
 # The default follows the vendor (sse4a: AMD only) and, on AMD, AVX-512 (Zen 4 / 5 vs Zen 3); FIA_DECODE_PREFETCH
@@ -97,8 +97,8 @@ if PREFETCH_POLICY not in PREFETCH_POLICIES:     # a typo must not break `import
     warnings.warn(f"FIA_DECODE_PREFETCH: expected one of {', '.join(PREFETCH_POLICIES)}, got "
                   f"{PREFETCH_POLICY!r}; using {PREFETCH_DEFAULT!r}", RuntimeWarning, stacklevel=2)
     PREFETCH_POLICY = PREFETCH_DEFAULT
-# DP_AMX: the bf16 dp kernels run their whole 16-key blocks on AMX tiles (decode_amx) where the CPU has them,
-# for items of AMX_MIN_ROWS query rows or more (DP_AMX_ANY: any count; tests). Session 9, two threads, KV
+# DP_AMX: the bf16 dp kernels run their whole 16-key blocks on AMX tiles (cpu/amx.py) where the CPU has them,
+# for items of AMX_MIN_ROWS query rows or more (DP_AMX_ANY: any count; tests). Intel Xeon with AMX, two threads, KV
 # from DRAM, AMX vs dp: 4 rows (GQA 4, one token) -3 % (QK alone -11 %: its tile loads from DRAM stall
 # the core although it computes twice as fast in L2: 19.4 vs 30 ns per key and KV head), 8 rows +18 %,
 # 16 rows +60 %.
@@ -112,7 +112,7 @@ AHEAD_BYTES = 8192              # 32 rows of bf16 / fp16 at D = 128, 63 of int8
 # fastmath without nnan / ninf: NaN and Inf in the inputs must propagate (SPEC 14)
 FM = {"reassoc", "contract", "nsz", "arcp"}
 MASK_FILL = np.float32(-1e12)
-# The int16 query of the decode_vnni QK kernels (quant_i16: one step per row, max |q~| / 32767) is used only while
+# The int16 query of the cpu/vnni.py QK kernels (quant_i16: one step per row, max |q~| / 32767) is used only while
 # its rounding keeps every score within I8_QK_MAX_ERR: the bound is the score error's standard deviation for keys
 # of int8 magnitude (|k| <= 128) of random signs, step * 128 * sqrt(D / 12) (times the largest per-token key scale
 # of a chunk). Past it (a query with an outlier channel: the step grows with that channel, every other channel
@@ -611,7 +611,7 @@ def elem_layout(kind, d):
 @njit(fastmath=FM, cache=True)
 def quant_i16(x, R, n, dst, sc):
     """dst[r, :n] = x[r, :n] / sc[r] rounded to int16, sc[r] = max |x[r, :n]| / 32767: the integer operand
-    of the decode_vnni kernels (one scale per row; error: half a step, 1.53e-5 of the row's largest
+    of the cpu/vnni.py kernels (one scale per row; error: half a step, 1.53e-5 of the row's largest
     magnitude). Returns False, leaving nothing usable, when x holds a NaN or an infinity: the caller then
     runs the float32 kernels, which propagate them (SPEC 14). Rows of tiny values (max < 1e-30, e.g.
     subnormal probabilities) are scaled in float64, where the reciprocal does not overflow (their float32
@@ -686,7 +686,7 @@ def softmax_chunk(s, R, n, m, ll, vx, acc, Dv, p2, mode, wsc, kshift, cll, cvx, 
         mx = cmk if cmk > mo else mo
         alpha = fexp(mo - mx)
         # what the pass writes to p2 (pm) -- mode 2 without a usable row scale writes nothing (ok = False) --
-        # then the whole 16-score blocks in decode_simd.exp_rows (16 lanes), the tail here
+        # then the whole 16-score blocks in cpu.simd.exp_rows (16 lanes), the tail here
         pm = mode
         inv = np.float32(0.0)
         if mode == 2:
@@ -773,7 +773,7 @@ def fill_factors(specs, kchan, vcs, vco):
     element strides padded to 4 dims (shape 1). Key scale / offset go to kchan[0] / kchan[1] [H, D], value
     scale / offset to vcs / vco [H, Dv]; the values in the tensor's logical order (as torch's reshape).
     Returns whether a scale / offset pair lies outside EXC_FACTOR (NaN / infinite included): folded out of the loop,
-    such factors would not give the reference's element-wise inf * 0 and overflows (decode.py then runs the call
+    such factors would not give the reference's element-wise inf * 0 and overflows (backend.py then runs the call
     with the reference's formulas)."""
     for f in range(4):
         addr = specs[f, FS_ADDR]
@@ -928,7 +928,7 @@ def _copy_strided(src, o, st, dst, c, n):
 @njit(fastmath=FM, cache=True)
 def eo_rows(x, R, D, tmp, back):
     """x[r, :D] (D % 16 == 0) per 16 channels: the even-indexed ones, then the odd-indexed ones (the layout of
-    decode_fma.KIND_BF16_EO's halves: the query for qk_fma), or back from it (pv_fma's accumulators). tmp:
+    cpu.fma.KIND_BF16_EO's halves: the query for qk_fma), or back from it (pv_fma's accumulators). tmp:
     scratch of >= 16 floats in row 0."""
     for r in range(R):
         for j in range(0, D, 16):
@@ -972,19 +972,19 @@ def kernel_flags(ip):
     k_kind = ip[IP_K_KIND]
     v_kind = ip[IP_V_KIND]
     f = 0
-    # bf16 dot-product kernels (decode_simd): raw bf16 query bits in q2, the scale applied to the scores
+    # bf16 dot-product kernels (cpu/simd.py): raw bf16 query bits in q2, the scale applied to the scores
     if ((ip[IP_DP] & DP_QK) != 0 and k_kind == KIND_BF16 and ip[IP_Q_KIND] == KIND_BF16 and Dr == 0
             and ip[IP_KC_MODE] == 0 and ip[IP_QD] == 0 and ip[IP_KT_MODE] == 0 and D % 32 == 0):
         f |= KF_DP_QK
     if (ip[IP_DP] & DP_PV) != 0 and v_kind == KIND_BF16 and ip[IP_VT_MODE] == 0 and Dv % 64 == 0:
         f |= KF_DP_PV
-    # ... their 16-key blocks on AMX tiles (decode_amx; query rows in groups of 16 for QK)
+    # ... their 16-key blocks on AMX tiles (cpu/amx.py; query rows in groups of 16 for QK)
     amx = (ip[IP_DP] & DP_AMX) != 0 and (ip[IP_R] >= AMX_MIN_ROWS or (ip[IP_DP] & DP_AMX_ANY) != 0)
     if amx and (f & KF_DP_QK) != 0 and D <= 32 * QK_MAX_CHUNKS:
         f |= KF_AMX_QK
     if amx and (f & KF_DP_PV) != 0 and Dv <= PV_MAX_DV:
         f |= KF_AMX_PV
-    # int16 x int8 dot-product kernels (decode_vnni) for int8 K / V: the query (times the key scales) and the
+    # int16 x int8 dot-product kernels (cpu/vnni.py) for int8 K / V: the query (times the key scales) and the
     # probabilities quantized to int16 per row (quant_i16). Not for a float32 query (portable mode): its
     # float32 output is held to float32 accuracy, the float32 kernels keep it. (PV falls back to FMA for a
     # chunk whose probabilities cannot be quantized: NaN / Inf, see quant_i16; QK for a head whose query holds a
@@ -995,8 +995,8 @@ def kernel_flags(ip):
         f |= KF_I8_QK
     if i8 and v_kind == KIND_I8 and Dv % 64 == 0:
         f |= KF_I8_PV
-    # float32 FMA kernels (decode_fma) for the other bf16 / fp16 / int8 cases; the build without the generic
-    # paths only runs those (decode.py sends head dims that are not multiples of 16 to the generic build)
+    # float32 FMA kernels (cpu/fma.py) for the other bf16 / fp16 / int8 cases; the build without the generic
+    # paths only runs those (backend.py sends head dims that are not multiples of 16 to the generic build)
     if ((f & KF_DP_QK) == 0 and Dr == 0 and D % 16 == 0
             and (k_kind == KIND_BF16 or k_kind == KIND_FP16 or k_kind == KIND_I8)):
         f |= KF_FMA_QK
@@ -1029,7 +1029,7 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
     """The items of `items` (w * (KV_N / HB) + h / HB) this thread claims through `counter`, one after another. The
     claim loop is here, not in the caller: numba reference-counts every array argument of a call (an atomic
     add at entry and exit), and per item the ~47 arrays of this function were ~100 atomics, ~0.5 us per item
-    (a quarter of the kernel time of issue 7's small call, perf samples in NRT_incref / NRT_decref).
+    (a quarter of the kernel time of the benchmark's small call, perf samples in NRT_incref / NRT_decref).
     An item covers HB = ip[IP_HB] KV heads: their query rows are made first (per-head scratch [HB, ...]), then
     chunk by chunk every head's QK / softmax / PV (the state of head h in po / pm / pl / pany[w, h]).
     Sums over an item's keys run in two levels, so that no float32 sum takes more than ~2 sqrt(chunks) terms (one
@@ -1216,7 +1216,7 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
                 for d in range(D):
                     t += qv[r, d]
                 qs[r] = t
-            if eo_qk:                                      # qk_fma's even / odd bf16 halves (decode_fma.KIND_BF16_EO)
+            if eo_qk:                                      # qk_fma's even / odd bf16 halves (cpu.fma.KIND_BF16_EO)
                 eo_rows(qv, R, D, tmp, False)
             if i8_qk:
                 i8_qk = quant_i16(qv, R, D, q2.view(np.int16), isch[hh, 0])
@@ -1687,7 +1687,7 @@ def attend_merge(items, ip, fp, geo, work, tbl, bufs, kchan, kt_tbl, vt_tbl, gen
     """A single-threaded call without a prefix (fia.replay): attend_items on the calling thread, then merge, in
     one dispatch -- the partials [W, KV_N, R(, Dv)] (dims = W, KV_N, R, Dv, output bytes, lse bytes), the
     counter and obufs made here. On a small call each numba dispatch and each numpy allocation costs the
-    host microseconds (issue 7's small call)."""
+    host microseconds (the benchmark's small call)."""
     W = max(dims[0], 1)
     po = np.empty((W, dims[1], dims[2], dims[3]), np.float32)
     pm = np.empty((W, dims[1], dims[2]), np.float32)

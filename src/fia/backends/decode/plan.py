@@ -24,9 +24,9 @@ MIN_SPLIT = 512             # fewest keys of a split (smaller splits cost more i
 ITEMS_PER_THREAD = 4        # split long sequences until there are about this many items per thread
 CHUNK_FLOATS = 32768        # keys per chunk = CHUNK_FLOATS // head dim (256 for D = 128), measured best
 PARALLEL_MIN_WORK = 16384   # keys x rows below which one thread does everything (no pool hand-off)
-# The kernels' software prefetches (decode_kernels.PREFETCH_POLICY) bet that K / V come from DRAM. A launch that
+# The kernels' software prefetches (kernels.PREFETCH_POLICY) bet that K / V come from DRAM. A launch that
 # reads at most PREFETCH_MIN_BYTES of K / V runs without them: its data may well be cached (a call repeated), where
-# they only cost instructions. Zen 3, session 15, bf16, one query row per KV head, prefetch toggled in process: the
+# they only cost instructions. Zen 3, bf16, one query row per KV head, prefetch toggled in process: the
 # same call repeated, time without / with 0.80-0.98x at 512 KiB, 0.74-0.85x at 1 MiB, 0.62-0.75x at 2 MiB; a new
 # cache each call (from DRAM) level at 512 KiB and 1 MiB, 1.02-1.32x at 2 MiB, 1.08-1.18x at 128 MiB.
 PREFETCH_MIN_BYTES = 1 << 20
@@ -200,9 +200,9 @@ def _geometry(p: AttentionProblem, P: int, q_sb: int, qr_sb: int):
 
 
 def _heads_per_item(sources, H: int) -> int:
-    """KV heads per item (decode_kernels.IP_HB): all H when every source's key and value hold a token's rows
+    """KV heads per item (kernels.IP_HB): all H when every source's key and value hold a token's rows
     of all heads side by side (BSH / BSND, the paged [blocks, block_size, H] cache: one head's rows alone are
-    D elements every H x D or more, which the CPU does not stream -- decode_kernels.DP_TOUCH), else 1."""
+    D elements every H x D or more, which the CPU does not stream -- kernels.DP_TOUCH), else 1."""
     if H < 2:
         return 1
     for src in sources:

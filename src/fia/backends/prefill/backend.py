@@ -6,7 +6,7 @@ computes, for q [1, N, L, E], k/v [1, KV_N, S, E] (GQA natively: head n reads kv
     S = scale · Q Kᵀ (+ attn_mask, additive, same dtype as q) ; top-left causal j <= i when is_causal
     out = softmax(S) V   (online softmax, float32 accumulators, bf16/fp16 matmuls for bf16/fp16 inputs)
     lse [1, N, L] float32 (float64 for float64), natural log.
-`_flash` runs FIA's own bf16 / fp16 / float32 kernel (prefill_flash.py: AVX-512 GEMMs, ~2x ATen's speed for
+`_flash` runs FIA's own bf16 / fp16 / float32 kernel (flash.py: AVX-512 GEMMs, ~2x ATen's speed for
 bf16 / fp16 on the machine measured) when it applies, else ATen's. The own kernel also takes a band
 (pre, next) as geometry, reads a user mask in place and takes Dv != D: for its calls the whole batch window
 is one call, keys outside the band and fully user-masked key tiles are never computed (no mask tiles).
@@ -14,14 +14,14 @@ ATen's kernel cannot take a geometry mask without materializing it, skip tiles o
 survive an empty key set (SIGFPE), or say which rows saw no key (their lse comes back 0). For its calls
 this module does those parts:
 
-* plan (prefill_plan.py): per batch, from BatchGeometry and MaskSpec.band_for, split the rows x keys
+* plan (plan.py): per batch, from BatchGeometry and MaskSpec.band_for, split the rows x keys
   rectangle into segments: FULL (every row sees every key: no mask), CAUSAL (a top-left triangle: the
   kernel's is_causal) and MASKED (a band edge or a user-mask tile: mask built for that tile only; the band
   tile is the same for every interior block and cached). Keys outside the band are never visited (tile
   skipping); runs of interior band blocks go to ONE kernel call as batch entries of overlapping strided
   views of q/k/v (no copies). A user-mask tile that masks everything is skipped, one that masks nothing
   runs unmasked. Nothing of size Q_S x KV_S is ever allocated.
-* pse without a mask (prefill_pse.py): key tiles whose scores are provably more than 50 below the row
+* pse without a mask (pse.py): key tiles whose scores are provably more than 50 below the row
   maximum (Cauchy-Schwarz + tile max of the bias vs. an exact score) are not computed.
 * run segments, merge the partial results of a row block through their lse (float32), then apply SPEC 6 /
   1.1b to special rows: geometry-empty rows 0 / +inf; rows whose keys are all user-masked -> mean of V over
@@ -43,6 +43,7 @@ from typing import List, Optional
 
 import torch
 
+from ... import caches
 from ...problem.attention import MASK_FILL, AttentionProblem
 from . import flash as prefill_flash
 from ..base import PRIORITY_PREFILL, Backend, BackendResult
@@ -95,11 +96,11 @@ class PrefillBackend(Backend):
     priority = PRIORITY_PREFILL
     devices = ("cpu",)   # ATen's CPU flash-attention kernel
 
-    # tiling (tuned on a 2-core AVX2 machine, docs/PERF_PREFILL.md)
+    # tiling (tuned on a 2-core AVX2 machine, docs/performance.md, "Tile sizes and memory")
     block_q = 256          # query rows per block when the band or a user mask needs blocking
     band_block_q = 192     # band blocks (>= 192 keeps the kernel's 64-row q split; smaller wastes fewer keys)
-    band_split = False     # see prefill_plan.plan_batch
-    pse_skip = True        # pse without mask: drop key tiles below float32 resolution (prefill_pse.py)
+    band_split = False     # see plan.plan_batch
+    pse_skip = True        # pse without mask: drop key tiles below float32 resolution (pse.py)
     pse_skip_min = 4096 * 4096  # ... for windows of at least this many scores (below: no measured gain)
     pse_rows = 768         # row block of the pse path (>= 768: the kernel splits q by 256, its fastest)
     pse_tile = 128         # key tile of the pse bounds
@@ -231,7 +232,7 @@ class PrefillBackend(Backend):
 
     def _run_pse_skipping(self, p, b, g, q4, k4, v4, pse, dv, out, lse):
         """pse_shift, no mask: per row block and kv head group, only the key range whose tiles can matter
-        (prefill_pse.needed_ranges); groups with the same range share one call."""
+        (pse.needed_ranges); groups with the same range share one call."""
         n, kv_n = q4.shape[1], k4.shape[1]
         G = n // kv_n
         s1 = g.s1
@@ -334,7 +335,7 @@ class PrefillBackend(Backend):
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-@functools.lru_cache(maxsize=64)
+@caches.memoize("prefill.band_tiles", 64)
 def _band_float_tile_rel(rows: int, cols: int, off: int, pre: int, nxt: int, kd, device):
     """Band tile relative to its block (key c0 = i0 + off): the same for every interior block."""
     m = band_outside_tile(0, rows, off, off + cols, (pre, nxt), device)

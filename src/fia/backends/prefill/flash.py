@@ -1,6 +1,6 @@
 """FIA's own flash-attention kernel for the prefill backend: bf16 (CPUs with AVX512-BF16), float16 and float32.
 
-A drop-in for the calls prefill.py makes to ATen's CPU flash kernel, with the same contract:
+A drop-in for the calls backend.py makes to ATen's CPU flash kernel, with the same contract:
     flash(q [Bq, N, L, D], k [Bq, KV_N, S, D], v [Bq, KV_N, S, Dv], is_causal, mask, scale)
       -> out [Bq, N, L, Dv] (q's dtype), lse [Bq, N, L] float32
     S = scale · Q Kᵀ (+ mask, additive, broadcast to [Bq, N, L, S]); top-left causal j <= i when is_causal;
@@ -11,7 +11,8 @@ A drop-in for the calls prefill.py makes to ATen's CPU flash kernel, with the sa
 Differences: a row with no finite score gets lse -inf (ATen reports 0), and Dv may differ from D.
 
 Why: on the measured machine ATen's kernel runs the benchmark's bf16 prefill at ~35 % of the bf16 matmul
-rate; the GEMMs here (prefill_simd) run at ~90 % of it in cache (docs/PERF_PREFILL.md, session 6).
+rate; the GEMMs here (cpu/gemm.py) run at ~90 % of it in cache (docs/performance.md,
+"FIA's own flash kernel vs torch's").
 Per call: K and V are packed once into the tiles the GEMM reads (pack_items, in parallel; the size of K and
 V), then the (batch entry, kv head, query block) items run on the decode backend's thread pool with dynamic
 scheduling, causal items longest first.
@@ -36,7 +37,7 @@ KT = 256            # keys per tile (scores [rows, KT] float32 stay in L2 with t
 ROWS_PER_ITEM = 96  # query rows (GQA heads x positions) per work item
 # FIA_PREFILL_OWN: "0" never use this kernel, "1" always where eligible (emulated without AVX512-BF16 / F16C);
 # unset: bf16 where the CPU has AVX512-BF16 but not AMX-BF16, float16 where it has AVX-512 and F16C, float32
-# with AVX-512. With AMX, ATen's flash kernel runs its bf16 GEMMs on the tiles: session 9, quick bench,
+# with AVX-512. With AMX, ATen's flash kernel runs its bf16 GEMMs on the tiles: Intel Xeon with AMX, quick bench,
 # bf16 causal / band / pse at 1024: ATen 11.2 / 14.6 / 20.1 ms, this kernel 55.7 / 54.0 / 101.9 ms (fp16:
 # 39.1 vs 43.2 ms, level, kept).
 _MODE = os.environ.get("FIA_PREFILL_OWN", "")

@@ -1,8 +1,8 @@
-"""Numba kernels of the prefill flash path (prefill_flash.py): K / V packing and the blocked online softmax.
+"""Numba kernels of the prefill flash path (flash.py): K / V packing and the blocked online softmax.
 
 Work item = (batch entry b, kv head h, query block of QB positions): its rows are the G query heads of kv
 head h times the QB positions (row r = g * QB + ii: head h * G + g, position i0 + ii), so every packed K / V
-tile is used by the whole GQA group. Per key tile of KT keys: scores with one GEMM (prefill_simd), the online
+tile is used by the whole GQA group. Per key tile of KT keys: scores with one GEMM (cpu/gemm.py), the online
 softmax in float32 (running max m, sum l; for bf16 the probabilities are rounded to bf16 for the PV product,
 as ATen's bf16 flash kernel and the hardware do; float16 / float32 keep them in float32), then O += P . V
 with a second GEMM. Key tiles outside every row's band window (top-left causal, or i - pre <= j <= i + next)
@@ -11,7 +11,7 @@ query's dtype (O / l rounded to nearest even) and lse = m + log(l) in float32; a
 score gets output 0 and lse -inf.
 
 Unsigned loop indices where numba should vectorize (a signed computed index adds a wraparound select per
-element, decode_kernels.load_rows).
+element, decode.kernels.load_rows).
 """
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ def key_tile_norms(k, tile: int):
 
 def bias_stats(pse, tile: int):
     """Per-row tile maxima pm [N, r, nt] (float32), first row argmax jstar [N, r] and its value pstar [N, r]
-    (float32) of pse [N, r, S2]. One Numba pass on CPU (prefill_pse_kernels.py), torch ops elsewhere."""
+    (float32) of pse [N, r, S2]. One Numba pass on CPU (pse_kernels.py), torch ops elsewhere."""
     if pse.device.type == "cpu" and pse.dtype in _KINDS and pse.stride(-1) == 1 and pse.numel() and _numba():
         return _bias_stats_numba(pse, tile)
     return _bias_stats_torch(pse, tile)

@@ -1,4 +1,4 @@
-"""One-pass bias statistics for the pse tile bounds (prefill_pse.py), Numba, CPU only.
+"""One-pass bias statistics for the pse tile bounds (pse.py), Numba, CPU only.
 
 For every bias row (head n, query row r) of pse [N, R, S2], read as the integer bit patterns of its floats
 (int16: bf16 / fp16 only; float32 biases use the torch formulation):
@@ -12,7 +12,7 @@ order, an involution (key(key(b)) == b). Integer max reductions vectorize withou
 need `nnan` (which would break the NaN test). The caller turns keys back into floats.
 
 Why: the torch formulation (per-tile amax of a bf16 view, then gathers) ran at ~2 GB/s and cost ~1.6 s
-of the S=8192 pse case (4.3 GB of bias); docs/PERF_PREFILL.md iteration 6 has the measurements.
+of the S=8192 pse case (4.3 GB of bias); docs/performance.md ("pse: the tile pass") has the numbers.
 """
 from __future__ import annotations
 

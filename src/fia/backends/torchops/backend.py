@@ -1,7 +1,7 @@
 """The torch backend: every problem the reference runs, in vectorized torch ops on any device.
 
 Batches with similar windows run together (padded, masked by length); keys stream in chunks through an
-online softmax, so memory stays O(chunk) (torchimpl/attend.py). Same rules as the reference (SPEC 3-12),
+online softmax, so memory stays O(chunk) (attend.py). Same rules as the reference (SPEC 3-12),
 float32 accumulation (float64 for float64 input). The preferred backend off the CPU; on the CPU it ranks
 below the Numba decode / prefill backends and above the reference.
 """

@@ -99,7 +99,7 @@ def _prefill_calls(dtypes, pse: bool) -> List[Callable[[], object]]:
 def run_prefill() -> None:
     """Compile FIA's own prefill flash kernel for the dtypes it serves on this CPU."""
     import fia
-    from ..backends.prefill import flash as prefill_flash
+    from .backends.prefill import flash as prefill_flash
     dts = [dt for dt, on in prefill_flash.ENABLED_FOR.items() if on()]
     with fia.use_backend("prefill"), fia.validation_mode("portable"):
         for c in _prefill_calls(dts, pse=False):
@@ -110,7 +110,7 @@ def run_prefill_pse() -> None:
     """Compile the position-bias statistics pass of the prefill backend (which large windows use: the
     threshold is lowered for the small warm-up call)."""
     import fia
-    from ..backends import registry
+    from .backends import registry
     be = registry.by_name("prefill")
     before = be.pse_skip_min
     be.pse_skip_min = 0
@@ -124,10 +124,10 @@ def run_prefill_pse() -> None:
 
 def sets_for_this_cpu() -> List[str]:
     """The kernel sets the CPU's backends use (the own prefill kernel only where the CPU runs it)."""
-    from . import jit
+    from .cpu import jit
     try:
         import numba  # noqa: F401
-        from ..backends.prefill import flash as prefill_flash
+        from .backends.prefill import flash as prefill_flash
     except Exception:                                     # no numba: the torch and reference backends only
         return []
     own = any(on() for on in prefill_flash.ENABLED_FOR.values())
@@ -136,7 +136,7 @@ def sets_for_this_cpu() -> List[str]:
 
 def warmup(sets: Optional[List[str]] = None, *, progress: bool = True) -> Dict[str, float]:
     """Compile (or load) every kernel set this CPU uses; {set: seconds}. Prints progress to stderr."""
-    from . import jit
+    from .cpu import jit
     done: Dict[str, float] = {}
     names = sets_for_this_cpu() if sets is None else list(sets)
     for i, name in enumerate(names, 1):

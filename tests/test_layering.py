@@ -1,0 +1,113 @@
+"""The package's import layering (docs/ARCHITECTURE.md): a module imports only modules of its own layer or
+below, and no import circle exists -- module-level and function-level imports alike, read from the sources."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import fia
+
+PACKAGE = Path(fia.__file__).resolve().parent
+
+# bottom to top; a module belongs to the first layer whose prefix matches its dotted name
+LAYERS = [
+    ("fia.errors", "fia.config", "fia.caches"),
+    ("fia.problem",),
+    ("fia.parse",),
+    ("fia.cpu",),
+    ("fia.backends",),
+    ("fia.finalize", "fia.merge", "fia.outvariants", "fia.replay", "fia.eager"),
+    ("fia.graph", "fia.api", "fia.aclnn", "fia.dispatch_report", "fia.kernel_warmup", "fia.torch_npu",
+     "fia.__main__", "fia"),
+    ("fia.bench",),
+]
+
+
+def _modules() -> dict:
+    mods = {}
+    for p in PACKAGE.rglob("*.py"):
+        parts = ("fia",) + p.relative_to(PACKAGE).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        mods[".".join(parts)] = p
+    return mods
+
+
+MODULES = _modules()
+
+
+def _layer(mod: str) -> int:
+    for i, names in enumerate(LAYERS):
+        for n in names:
+            if mod == n or (n != "fia" and mod.startswith(n + ".")):
+                return i
+    raise AssertionError(f"{mod} is in no layer: add it to LAYERS and docs/ARCHITECTURE.md")
+
+
+def _imports(mod: str) -> set:
+    """The package modules `mod` imports (a `from package import name` counts the submodule when it is one)."""
+    path = MODULES[mod]
+    is_pkg = path.name == "__init__.py"
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                base = base[:len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            targets = [f"{target}.{a.name}" if f"{target}.{a.name}" in MODULES else target for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in MODULES:              # `import fia.x.y` names fia.x.y; a symbol's module is above it
+                t = t.rpartition(".")[0]
+            if t and t != mod:
+                out.add(t)
+    return out
+
+
+GRAPH = {m: _imports(m) for m in MODULES}
+
+
+def test_every_module_has_a_layer():
+    for m in MODULES:
+        _layer(m)
+
+
+def test_no_import_against_the_layering():
+    bad = sorted(f"{m} (layer {_layer(m)}) imports {t} (layer {_layer(t)})"
+                 for m, ts in GRAPH.items() for t in ts if _layer(t) > _layer(m))
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_circle():
+    # the package's own __init__ re-exports from everything below it: it is the root, not part of a circle
+    graph = {m: {t for t in ts if t != "fia"} for m, ts in GRAPH.items() if m != "fia"}
+    state, stack, circles = {}, [], []
+
+    def visit(m):
+        state[m] = 1
+        stack.append(m)
+        for t in sorted(graph.get(m, ())):
+            if state.get(t) == 1:
+                circles.append(" -> ".join(stack[stack.index(t):] + [t]))
+            elif t not in state:
+                visit(t)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    assert not circles, "\n".join(circles)
+
+
+def test_the_checks_see_imports():
+    """The graph is not empty by accident: known edges are found."""
+    assert "fia.parse.core" in GRAPH["fia.eager"] or "fia.parse" in GRAPH["fia.eager"]
+    assert "fia.backends.registry" in GRAPH["fia.eager"]
+    assert "fia.problem.attention" in GRAPH["fia.backends.base"]

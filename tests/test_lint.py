@@ -1,0 +1,27 @@
+"""`ruff check src tests` passes with the configuration of pyproject.toml ([tool.ruff]): CI enforces the lint.
+
+ruff comes with requirements-ci.txt (and the `dev` extra); the test skips only where it is not installed.
+"""
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def fia_backend():
+    """Overrides the suite's per-backend parametrization: the lint runs once."""
+    yield None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ruff") is None, reason="ruff is not installed")
+def test_ruff_check_passes():
+    res = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "src", "tests"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, f"ruff check src tests:\n{res.stdout}{res.stderr}"
