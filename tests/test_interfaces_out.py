@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fia
-from fia import ops
+from fia import graph
 from util import gen, randn, seed_of, template_mask
 
 F16 = torch.float16
@@ -289,16 +289,16 @@ def compiled(f, backend="aot_eager"):
 class TestGraphMode(Once):
     def test_out_schemas(self):
         for api in (V1, V2):
-            schema = ops.op(api, out=True)._schema
+            schema = graph.op(api, out=True)._schema
             names = [a.name for a in schema.arguments]
             assert names == list(inspect.signature(fn(api, fia.api)).parameters)[:len(names) - 3] + \
                 ["workspace", "attention_out", "softmax_lse"]
             mutated = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
             assert mutated == ["attention_out", "softmax_lse"]
             assert [r.alias_info is not None and r.alias_info.is_write for r in schema.returns] == [True, True]
-            ws = ops.op(WS[api])._schema
-            assert [a.name for a in ws.arguments] == [a.name for a in ops.op(api)._schema.arguments]
-        v2 = {a.name: str(a.type) for a in ops.op(V2)._schema.arguments}
+            ws = graph.op(WS[api])._schema
+            assert [a.name for a in ws.arguments] == [a.name for a in graph.op(api)._schema.arguments]
+        v2 = {a.name: str(a.type) for a in graph.op(V2)._schema.arguments}
         assert v2["actual_seq_kvlen"] == "Optional[List[int]]" and v2["query_dtype"] == "Optional[int]"
         assert str(torch.ops.fia.npu_attention_update.default._schema) == \
             "fia::npu_attention_update(Tensor[] lse, Tensor[] local_out, int update_type=0) -> (Tensor, Tensor?)"
@@ -332,7 +332,7 @@ class TestGraphMode(Once):
         assert torch.equal(bufs[0], o1) and torch.equal(bufs[1], l1) and torch.equal(bufs[2], o2)
         assert same_bits(bufs[3], placeholder)
         targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
-        assert targets == [ops.op(WS[V1]), ops.op(V1, out=True), ops.op(WS[V2]), ops.op(V2, out=True)]
+        assert targets == [graph.op(WS[V1]), graph.op(V1, out=True), graph.op(WS[V2]), graph.op(V2, out=True)]
 
     def test_compile_v2_and_attention_update_fullgraph_equal_eager(self):
         q, k, v, kw = case("prefill", "dense", seed_of("compile-v2"))
@@ -372,16 +372,16 @@ class TestGraphMode(Once):
             kw = keywords(api, kw, lse)
             out, l = fn(api)(q, k, v, **kw)
             s = torch.empty_like(l) if lse else torch.empty(1, dtype=F16)
-            torch.library.opcheck(ops.op(api, out=True), (q, k, v),
+            torch.library.opcheck(graph.op(api, out=True), (q, k, v),
                                   dict(kw, attention_out=torch.empty_like(out), softmax_lse=s),
                                   test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
     def test_opcheck_v2_workspace_and_update(self):
         q, k, v, kw = case("prefill", "dense", seed_of("opcheck-v2"))
         kw2 = keywords(V2, kw, True)
-        torch.library.opcheck(ops.op(V2), (q, k, v), kw2, test_utils=("test_schema", "test_faketensor"))
+        torch.library.opcheck(graph.op(V2), (q, k, v), kw2, test_utils=("test_schema", "test_faketensor"))
         for api in (V1, V2):
-            torch.library.opcheck(ops.op(WS[api]), (q, k, v), keywords(api, kw, False))
+            torch.library.opcheck(graph.op(WS[api]), (q, k, v), keywords(api, kw, False))
         g = gen(seed_of("opcheck-update"))
         lse = [randn((5,), g, torch.float32) for _ in range(2)]
         parts = [randn((5, 8), g, F16) for _ in range(2)]
@@ -395,11 +395,11 @@ class TestGraphMode(Once):
         kw = keywords(V2, kw, True)
         out, l = fia.npu_fused_infer_attention_score_v2(q, k, v, **kw)
         a, s = nan_like(out), nan_like(l)
-        res = ops.op(V2, out=True)(q, k, v, **kw, attention_out=a, softmax_lse=s)
+        res = graph.op(V2, out=True)(q, k, v, **kw, attention_out=a, softmax_lse=s)
         assert res[0] is a and res[1] is s and torch.equal(a, out) and torch.equal(s, l)
         a = nan_like(out)
         with pytest.raises(fia.FiaInputError, match=r"^softmax_lse: expected .*\(return_softmax_lse is true\)"):
-            ops.op(V2, out=True)(q, k, v, **kw, attention_out=a, softmax_lse=s.double())
+            graph.op(V2, out=True)(q, k, v, **kw, attention_out=a, softmax_lse=s.double())
         assert torch.isnan(a).all()
 
     def test_fake_out_checks_the_callers_tensors(self):
@@ -410,7 +410,7 @@ class TestGraphMode(Once):
         a, s = _outputs()
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             fq, fk, fv, fa, fs = (mode.from_tensor(t) for t in (q, k, v, a, s))
-            res = ops.op(V1, out=True)(fq, fk, fv, **kw, attention_out=fa, softmax_lse=fs)
+            res = graph.op(V1, out=True)(fq, fk, fv, **kw, attention_out=fa, softmax_lse=fs)
             assert res[0] is fa and res[1] is fs
             with pytest.raises(fia.FiaInputError, match=r"^attention_out: expected a float16 tensor of shape"):
-                ops.op(V1, out=True)(fq, fk, fv, **kw, attention_out=fa[:1], softmax_lse=fs)
+                graph.op(V1, out=True)(fq, fk, fv, **kw, attention_out=fa[:1], softmax_lse=fs)

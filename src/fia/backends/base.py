@@ -1,4 +1,4 @@
-"""Backend protocol: capabilities as data + not_supported_reasons() + run()."""
+"""Backend protocol: capabilities as data + not_supported_reasons() + plan() / launch() (run() = both)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -58,8 +58,23 @@ class Backend:
         out = math.prod(p.out_shape()) * 4
         return [(lambda: f"attention_out {list(p.out_shape())} float32", out), ("the returned attention_out", out)]
 
-    def run(self, p: AttentionProblem) -> BackendResult:  # pragma: no cover - interface
-        raise NotImplementedError
+    # ---- plan / launch (FlashInfer's plan / run): plan decides from metadata, launch reads the data
+    def plan(self, p: AttentionProblem) -> object:
+        """What running p needs that follows from its metadata alone (work split, launch parameters, shapes):
+        never tensor data, so it can be kept per AttentionProblem.memo_key and re-launched on another call of the
+        same metadata (fia.replay does). Default None: a backend that plans nothing."""
+        return None
+
+    def launch(self, p: AttentionProblem, plan: object) -> BackendResult:
+        """Run p on `plan` (this backend's plan(p), or one it made for a problem of the same metadata). A
+        backend that implements run alone plans nothing: its launch is run."""
+        if type(self).run is Backend.run:  # pragma: no cover - interface
+            raise NotImplementedError(f"backend {self.name!r} implements neither launch nor run")
+        return self.run(p)
+
+    def run(self, p: AttentionProblem) -> BackendResult:
+        """p's results: launch(p, plan(p)). A backend may fuse the two (sharing what both read of p)."""
+        return self.launch(p, self.plan(p))
 
 
 _CHECK_FROM = 1 << 30         # calls needing less than this never read the machine's free memory

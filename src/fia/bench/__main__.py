@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import sys
 import time
 
@@ -79,6 +80,10 @@ def main(argv=None) -> int:
     print()
     print(report.terminal_table(records, cdict))
     print(f"\nwritten: {', '.join(paths.values())}  ({meta['duration_s']:.0f} s)")
+    if "png" in paths:
+        print(f"plot (FIA vs ceiling and SDPA per case): {os.path.abspath(paths['png'])}")
+    else:
+        print("no plot: matplotlib is not installed (pip install matplotlib, or the fia[plot] extra)")
     return 0
 
 

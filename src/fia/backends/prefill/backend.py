@@ -37,9 +37,8 @@ Declared unsupported: decode (Q_S = 1), full int8 quantization (P is requantized
 """
 from __future__ import annotations
 
-import functools
 import math
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
 
 import torch
 
@@ -91,6 +90,14 @@ _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _NEG_INF = float("-inf")
 
 
+class PrefillPlan(NamedTuple):
+    """What running a prefill problem needs from its metadata alone (PrefillBackend.plan)."""
+    kernel_dtype: torch.dtype       # the kernels' dtype (_kernel_dtype)
+    out_dtype: torch.dtype          # the canonical output's (the compute dtype where the output is quantized)
+    one_call: Optional[int]         # FULL / CAUSAL: one kernel call may cover the problem (_one_call); else None
+    batches: tuple                  # the batches with query rows and keys
+
+
 class PrefillBackend(Backend):
     name = "prefill"
     priority = PRIORITY_PREFILL
@@ -124,30 +131,33 @@ class PrefillBackend(Backend):
         pse = p.pse is not None and p.mask.user_mask is None and self.pse_skip and p.Q_S * p.KV_S >= self.pse_skip_min
         return own + ("prefill-pse",) if pse else own
 
-    # ------------------------------------------------------------------------------------------ run
-    def run(self, p: AttentionProblem) -> BackendResult:
-        direct = self._one_call(p)
-        if direct is not None:
-            return direct
+    # ------------------------------------------------------------------------------------------ plan / launch
+    def plan(self, p: AttentionProblem) -> PrefillPlan:
+        """p's metadata decisions: kernel and output dtypes, whether one fused call may cover it, the batches."""
+        kd = _kernel_dtype(p)
+        out_dt = p.compute_dtype if p.out_quant is not None else p.out_dtype
+        batches = tuple(b for b, g in enumerate(p.geometry) if g.s1 != 0 and g.s2 != 0)
+        return PrefillPlan(kd, out_dt, self._one_call_kind(p, kd), batches)
+
+    def launch(self, p: AttentionProblem, plan: PrefillPlan) -> BackendResult:
+        if plan.one_call is not None:
+            direct = self._one_call(p, plan.one_call, plan.kernel_dtype)
+            if direct is not None:
+                return direct
         cd = p.compute_dtype
         dev = p.device
-        out_dt = cd if p.out_quant is not None else p.out_dtype
-        out = torch.zeros(p.out_shape(), dtype=out_dt, device=dev)                     # never computed: 0
+        out = torch.zeros(p.out_shape(), dtype=plan.out_dtype, device=dev)             # never computed: 0
         lse = torch.full(p.lse_shape(), float("inf"), dtype=cd, device=dev) if p.want_lse else None
-        kd = _kernel_dtype(p)
-        for b, g in enumerate(p.geometry):
-            if g.s1 == 0 or g.s2 == 0:
-                continue
-            self._run_batch(p, b, g, kd, out, lse)
+        for b in plan.batches:
+            self._run_batch(p, b, p.geometry[b], plan.kernel_dtype, out, lse)
         return BackendResult(out, lse)
 
-    def _one_call(self, p: AttentionProblem) -> Optional[BackendResult]:
-        """B = 1, the whole padded query window valid and one unmasked / causal call covering it: return
-        the kernel's own output (what SDPA would), no zero-filled buffer and no copy."""
+    def _one_call_kind(self, p: AttentionProblem, kd) -> Optional[int]:
+        """The segment kind (FULL / CAUSAL) when one kernel call may cover p (_one_call), else None: B = 1, the
+        whole padded query window valid, one unmasked / causal block (metadata only)."""
         if p.packed or p.B != 1 or p.sink is not None or p.out_quant is not None or p.mask.user_mask is not None:
             return None
         g = p.geometry[0]
-        kd = _kernel_dtype(p)
         if g.q_lo != 0 or g.s1 != p.Q_S or g.s2 == 0 or kd != p.out_dtype or p.Dv != p.D or \
                 p.query_rope is not None:
             return None
@@ -160,13 +170,19 @@ class PrefillBackend(Backend):
         seg = blocks[0].segments[0]
         if seg.kind not in (FULL, CAUSAL) or (seg.c0, seg.c1) != (0, g.s2):
             return None
+        return seg.kind
+
+    def _one_call(self, p: AttentionProblem, kind: int, kd) -> Optional[BackendResult]:
+        """One kernel call over p's whole window (kind: _one_call_kind's): return the kernel's own output (what
+        SDPA would), no zero-filled buffer and no copy; None where the result needs the general path."""
+        g = p.geometry[0]
         q, k, v = _same_head_dim(batch_query(p, 0, g, kd), *_keys(p, 0, g, kd))   # (D == Dv here: strides only)
         q = q.unsqueeze(0)
         bias = None
         if p.pse is not None:
             bias = p.pse[:1, :, g.q_lo:g.q_hi, g.kv_lo:g.kv_lo + g.s2]
-        o, l = _flash(q, k.unsqueeze(0), v.unsqueeze(0), 0.0, seg.kind == CAUSAL, attn_mask=bias, scale=p.scale)
-        if seg.kind == CAUSAL and float(l.amin()) < _fill_threshold(g.s2):
+        o, l = _flash(q, k.unsqueeze(0), v.unsqueeze(0), 0.0, kind == CAUSAL, attn_mask=bias, scale=p.scale)
+        if kind == CAUSAL and float(l.amin()) < _fill_threshold(g.s2):
             return None                                        # masked keys' fill takes weight: _fill_rows
         return BackendResult(o, l.contiguous() if p.want_lse else None)   # [1, N, S, D] (kernel strides)
 
