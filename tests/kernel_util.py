@@ -1,9 +1,8 @@
-"""Shared by the kernel-level tests (test_decode_simd.py, test_decode_vnni.py)."""
+"""Shared by the kernel-level tests (test_decode_simd.py, test_decode_vnni.py, ...). Those modules run once, not per
+backend: `pytestmark = pytest.mark.backend_independent` (see conftest)."""
 from __future__ import annotations
 
 import contextlib
-
-import pytest
 
 
 @contextlib.contextmanager
@@ -25,11 +24,3 @@ def frozen(*wrappers):
         f.disable_compile()
     return wrappers
 
-
-@pytest.fixture(autouse=True)
-def once_under_decode(request):
-    """Kernel-level tests: one run, whatever backend the suite's autouse fixture forces."""
-    cs = getattr(request.node, "callspec", None)
-    be = cs.params.get("fia_backend") if cs is not None else None
-    if be is not None and be != "decode":
-        pytest.skip("kernel tests run once, under be=decode")

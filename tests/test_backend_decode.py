@@ -6,8 +6,8 @@ result: outputs within one rounding of the output dtype (both accumulate in floa
 NaN-poisoned (KV past the lengths, unused paged blocks, per-token scales past the lengths), so a wild
 read shows as NaN. Paged runs also forbid the storage's gathering helper: the cache is read in place.
 
-These tests compare two backends explicitly, so they run once (under be=decode) whatever backend
-the suite's autouse fixture forces.
+These tests compare two backends explicitly, so they run once, under be=decode
+(`pytestmark = pytest.mark.backends("decode")`, see conftest).
 """
 from __future__ import annotations
 
@@ -55,15 +55,8 @@ def _dp(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture(autouse=True)
-def _once(request):
-    names = [b.name for b in registry.backends()]
-    if "decode" not in names:
-        pytest.skip("the decode backend is not registered")
-    cs = getattr(request.node, "callspec", None)
-    be = cs.params.get("fia_backend") if cs is not None else None
-    if be is not None and be != "decode":
-        pytest.skip("decode-vs-reference comparisons run once, under be=decode")
+# decode-vs-reference comparisons: one run each, under be=decode (conftest; none where decode is not registered)
+pytestmark = pytest.mark.backends("decode")
 
 
 def seed(*parts) -> int:

@@ -33,10 +33,7 @@ FIA = fia.npu_fused_infer_attention_score
 TILES = ("default", "small", "aten")
 
 
-@pytest.fixture(autouse=True)
-def _only_prefill(fia_backend):
-    if fia_backend != "prefill":
-        pytest.skip("prefill-backend tests run under be=prefill")
+pytestmark = pytest.mark.backends("prefill")       # prefill-backend tests: under be=prefill only (conftest)
 
 
 @pytest.fixture(params=TILES)

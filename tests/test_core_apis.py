@@ -16,6 +16,7 @@ def qkv(seed, b, n, kvn, sq, skv, d, dtype=F16):
 
 
 # ----------------------------------------------------------------------------------------------- incre
+@pytest.mark.case(q_s=1)
 @pytest.mark.parametrize("dt", ["fp16", "bf16"])
 @pytest.mark.parametrize("layout", ["BSH", "BSND", "BNSD"])
 @pytest.mark.parametrize("kvn", [4, 1], ids=lambda x: f"kvn{x}")
@@ -30,6 +31,7 @@ def test_incre_basic(kvn, layout, dt):
     assert isinstance(out, torch.Tensor)
 
 
+@pytest.mark.case(q_s=1)
 def test_incre_returns_tensor_only():
     q, k, v = qkv(1, 2, 2, 2, 1, 5, 16)
     r = fia.npu_incre_flash_attention(q, k, v, num_heads=2, input_layout="BNSD", scale_value=0.25)
@@ -38,6 +40,7 @@ def test_incre_returns_tensor_only():
     assert_close(r, ref, F16)
 
 
+@pytest.mark.case(q_s=1)
 @pytest.mark.parametrize("kind", ["bool", "int8", "uint8"])
 def test_incre_mask_and_pse(kind):
     b, n, skv, d = 2, 4, 19, 32
@@ -51,6 +54,7 @@ def test_incre_mask_and_pse(kind):
                 act_kv=[19, 7], len_kw={"actual_seq_lengths": [19, 7]})
 
 
+@pytest.mark.case(q_s=1)
 @pytest.mark.parametrize("ip", [0, 1])
 def test_incre_inner_precise(ip):
     q, k, v = qkv(seed_of("ifa-ip", ip), 2, 2, 1, 1, 12, 16)
@@ -61,6 +65,7 @@ def test_incre_inner_precise(ip):
     assert_close(out.reshape(2, 1, 2, 16).permute(0, 2, 1, 3), ref, F16)
 
 
+@pytest.mark.case(q_s=1)
 def test_incre_tensor_list():
     b, n, d = 3, 2, 32
     lens = [4, 11, 6]

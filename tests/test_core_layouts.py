@@ -35,6 +35,7 @@ def test_dense_layout(layout, sq, dt):
     check_dense(q, k, v, layout=layout)
 
 
+@pytest.mark.case(q_s=1)
 @pytest.mark.parametrize("layout", ["BSH_NBSD", "BSND_NBSD", "BNSD_NBSD"])
 def test_nbsd_decode(layout):
     """SPEC 2: the *_NBSD layouts accept 1 <= Q_S <= 16."""
@@ -132,6 +133,7 @@ def test_output_dtype_portable(dtype, sq, layout):
     assert out.dtype == dtype
 
 
+@pytest.mark.case(q_s=1)
 def test_softmax_lse_flag_false():
     """softmax_lse_flag=False: the second output is an empty float32 tensor of shape [0] (SPEC 1.1)."""
     for sq in (1, 6):
@@ -217,6 +219,7 @@ def test_tnd_portable(layout, qlens, kvlens, sm, dtype):
         _tnd_case(sum(kvlens) + sm, layout, qlens, kvlens, 4, 4, 64, 32, dtype, sparse_mode=sm)
 
 
+@pytest.mark.case(q_s=1)
 @pytest.mark.parametrize("layout", ["TND", "NTD_TND"])
 def test_tnd_decode(layout):
     """SPEC 15.10: a TND call where every query length is 1 is a decode call."""

@@ -152,6 +152,7 @@ def test_tensor_list_kv(sq, layout):
     assert_lse(lse[..., 0], ref_l)
 
 
+@pytest.mark.case(q_s=1)
 def test_tensor_list_kv_with_kv_lengths():
     """Tensor list combined with actual_seq_lengths_kv shorter than each tensor (padding NaN-poisoned)."""
     b, n, d, sq = 2, 2, 16, 1

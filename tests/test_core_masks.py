@@ -57,6 +57,7 @@ def test_oversized_mask_padding_does_not_matter():
 DECODE_SHAPES = ["BK", "B1K", "B11K"]
 
 
+@pytest.mark.case(q_s=1)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("oversized", [False, True], ids=["exact", "oversized"])
 @pytest.mark.parametrize("shape", DECODE_SHAPES)
@@ -152,6 +153,7 @@ def test_template_uint8():
 
 
 # ----------------------------------------------------------------------------------------------- decode ignores
+@pytest.mark.case(q_s=1)
 @pytest.mark.parametrize("mode,pre,nxt,with_mask", [
     (0, 0, 0, True), (0, 1, -0, False), (1, 0, 0, True), (2, 0, 0, "template"), (3, 1, 0, "template"),
     (4, 0, 0, "template"), (4, -3, 5, "template")],
@@ -234,6 +236,7 @@ def test_geometry_empty_rows(case, ip):
     assert torch.isposinf(ref_l).any()        # the case really has geometry-empty rows
 
 
+@pytest.mark.case(q_s=1)
 @pytest.mark.parametrize("ip", [0, 1])
 def test_decode_fully_masked(ip):
     """Decode (inner_precise 0/1 only): a batch whose mask hides every key -> mean of V, lse ~ -1e12."""

@@ -94,6 +94,7 @@ def test_a_signature_is_stored_the_second_time():
     assert second.memo_key is not None and core.parse_fused(dict(a)).memo_key == second.memo_key
 
 
+@pytest.mark.case(q_s=1)
 def test_new_tensors_same_metadata_are_read():
     a = call_args()
     parse(a)

@@ -1,11 +1,14 @@
 """Sanity checks of the naive float64 reference itself (no fia): against torch SDPA and hand-made cases."""
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 import naive
 from util import gen, randn
+
+pytestmark = pytest.mark.backend_independent      # no fia: run once, not per backend (conftest)
 
 
 def test_naive_matches_sdpa_gqa_mask():

@@ -15,11 +15,12 @@ import torch
 
 numba = pytest.importorskip("numba")
 from numba import njit  # noqa: E402
-from kernel_util import once_under_decode  # noqa: E402,F401
 
 from fia.cpu import amx as A  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not A.HAS_AMX, reason="the CPU (or the OS) offers no AMX-BF16 tiles")
+if not A.HAS_AMX:                 # one skip for the module, not one per case
+    pytest.skip("the CPU (or the OS) offers no AMX-BF16 tiles", allow_module_level=True)
+pytestmark = pytest.mark.backend_independent      # kernel-level: run once, not per backend (conftest)
 
 
 @njit

@@ -15,9 +15,11 @@ import torch
 
 numba = pytest.importorskip("numba")
 from numba import njit  # noqa: E402
-from kernel_util import compiling_with, frozen, once_under_decode  # noqa: E402,F401
+from kernel_util import compiling_with, frozen  # noqa: E402
 
 from fia.cpu import simd as S  # noqa: E402
+
+pytestmark = pytest.mark.backend_independent      # kernel-level: run once, not per backend (conftest)
 
 
 def _kernels(native: bool):

@@ -1331,6 +1331,8 @@ def check(c: Case, bt: Built, out, lse):
 CASES = [draw(s) for s in SEEDS]
 
 
+@pytest.mark.case(q_s=lambda p: p["case"].QS, decode=lambda p: p["case"].decode,
+                  full_quant=lambda p: p["case"].full8 is not None)
 @pytest.mark.parametrize("case", CASES, ids=[c.short_id() for c in CASES])
 def test_fuzz(case: Case, monkeypatch):
     apply_tiles(case, monkeypatch)

@@ -24,7 +24,7 @@ def fia_backend():
 
 PRELUDE = """
 import json, os, sys, time
-from fia import jit
+from fia.cpu import jit
 jit.register(jit.KernelSet("toy", "toy_kernels", ("twice",), "toy_kernels:warm"))
 """
 

@@ -18,6 +18,8 @@ import pytest
 
 from fia.cpu import kernel_cache as KC
 
+pytestmark = pytest.mark.backend_independent      # the cache guard: run once, not per backend (conftest)
+
 
 def _imports(rel: str) -> set:
     """The package files a module imports with relative imports (paths in the package)."""

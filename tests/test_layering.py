@@ -5,7 +5,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import fia
+
+pytestmark = pytest.mark.backend_independent      # reads the sources: run once, not per backend (conftest)
 
 PACKAGE = Path(fia.__file__).resolve().parent
 

@@ -8,6 +8,8 @@ import pytest
 
 import fia
 
+pytestmark = pytest.mark.backend_independent      # packaging metadata: run once, not per backend (conftest)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

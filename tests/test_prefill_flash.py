@@ -22,12 +22,14 @@ import torch
 
 numba = pytest.importorskip("numba")
 from numba import njit  # noqa: E402
-from kernel_util import compiling_with, frozen, once_under_decode  # noqa: E402,F401
+from kernel_util import compiling_with, frozen  # noqa: E402
 
 from fia.cpu import fma as DF  # noqa: E402
 from fia.cpu import simd as DS  # noqa: E402
 from fia.backends.prefill import flash as PF  # noqa: E402
 from fia.cpu import gemm as PS  # noqa: E402
+
+pytestmark = pytest.mark.backend_independent      # kernel-level: run once, not per backend (conftest)
 
 
 def _wrapper(module, flag, native, gemm, a0, b0):

@@ -102,6 +102,7 @@ COMBINED_SHAPES = {
 }
 
 
+@pytest.mark.case(q_s=1)
 @pytest.mark.parametrize("dt", ["fp16", "bf16"])
 @pytest.mark.parametrize("asym", [False, True], ids=["sym", "asym"])
 @pytest.mark.parametrize("layout", ["BSH", "BSND", "BNSD"])
@@ -129,6 +130,7 @@ def test_combined_mode0_decode(shape_id, layout, asym, dt):
                   kw=dict(kw, actual_seq_lengths_kv=act))
 
 
+@pytest.mark.case(q_s=1)
 @pytest.mark.parametrize("dt", ["fp16", "bf16"])
 @pytest.mark.parametrize("asym", [False, True], ids=["sym", "asym"])
 @pytest.mark.parametrize("layout", ["BSH", "BNSD"])
@@ -156,6 +158,7 @@ def test_combined_mode1_per_token_decode(layout, asym, dt):
     run_and_check(q, kv_in(kq, layout), kv_in(vq, layout), k64, v64, layout=layout, act_kv=act, kw=kw)
 
 
+@pytest.mark.case(q_s=1)
 def test_combined_incre_api():
     """npu_incre_flash_attention takes the combined per-channel parameters ((2, H) for BSH), SPEC 10.1."""
     seed = 77
@@ -216,6 +219,7 @@ def _nan_past(t, gran, act):
     return t
 
 
+@pytest.mark.case(q_s=1)
 @pytest.mark.parametrize("dt", ["fp16", "bf16"])
 @pytest.mark.parametrize("asym", [False, True], ids=["sym", "asym"])
 @pytest.mark.parametrize("sid", SEP_IDS)
@@ -246,6 +250,7 @@ def test_separate_decode(sid, asym, dt):
         run_and_check(q, kv_in(kq, "BNSD"), kv_in(vq, "BNSD"), k64, v64, layout="BNSD", act_kv=act, kw=kw)
 
 
+@pytest.mark.case(q_s=1)
 @pytest.mark.parametrize("layout", ["BSH", "BSND"])
 @pytest.mark.parametrize("sid", ["m0-(1,H)", "m0-(1,KVN,D)", "m1-(1,B,S)", "m3-(B,KVN,S)", "k0v1"])
 def test_separate_decode_layouts(sid, layout):
@@ -269,6 +274,7 @@ def test_separate_decode_layouts(sid, layout):
     run_and_check(q, kv_in(kq, layout), kv_in(vq, layout), k64, v64, layout=layout, act_kv=act, kw=kw)
 
 
+@pytest.mark.case(q_s=1)
 def test_separate_v2_entry_point():
     """npu_fused_infer_attention_score_v2: dequant_scale_key/value, dequant_offset_key/value,
     key_quant_mode/value_quant_mode are the separate parameters (SPEC 1.1b); mode 3 per-token per-head."""
@@ -287,6 +293,7 @@ def test_separate_v2_entry_point():
                           dequant_offset_value=vo, key_quant_mode=3, value_quant_mode=3))
 
 
+@pytest.mark.case(q_s=1)
 def test_separate_takes_precedence():
     """SPEC 10.2: the separate parameters win when both sets are given; the combined ones (NaN) are unused."""
     s = 24
@@ -323,6 +330,7 @@ PAGED = [
 ]
 
 
+@pytest.mark.case(q_s=1)
 @pytest.mark.parametrize("asym", [False, True], ids=["sym", "asym"])
 @pytest.mark.parametrize("pid,km,vm,four_d,layout", PAGED, ids=[p[0] for p in PAGED])
 def test_paged_decode(pid, km, vm, four_d, layout, asym):
@@ -462,6 +470,7 @@ def test_separate_prefill_bf16(sid, layout, asym, sq):
 INT4 = ["m0-(1,KVN,1,D)", "m0-(1,H)", "m1-(1,B,S)", "m3-(B,KVN,S)", "k0v1"]
 
 
+@pytest.mark.case(q_s=1)
 @pytest.mark.parametrize("dt", ["fp16", "bf16"])
 @pytest.mark.parametrize("layout", ["BSH", "BNSD"])
 @pytest.mark.parametrize("sid", INT4)
@@ -493,6 +502,7 @@ def test_int4_decode(sid, layout, dt):
                           actual_seq_lengths_kv=act))
 
 
+@pytest.mark.case(q_s=1)
 def test_int4_nibble_order():
     """Hand-built int4 words: one key only (softmax weight 1), so the output equals the dequantized value row;
     checks the nibble order (low nibble first) and the sign extension of every nibble value -8..7."""
@@ -516,6 +526,7 @@ def test_int4_nibble_order():
 
 
 # ------------------------------------------------------------------------------- other storage / features
+@pytest.mark.case(q_s=1)
 def test_left_padding_per_token():
     """kv left padding (SPEC 4) with per-token scales: scales belong to physical positions; the valid window is
     [S - pad - act, S - pad); scales outside it are NaN."""
@@ -541,6 +552,7 @@ def test_left_padding_per_token():
                   naive_kw=dict(kv_windows=win))
 
 
+@pytest.mark.case(q_s=1)
 def test_tensor_list_decode():
     """Tensor-list int8 K/V (batch-1 tensors with individual S) with per-channel combined dequantization."""
     seed = 717
@@ -563,6 +575,7 @@ def test_tensor_list_decode():
         assert_lse(l[b:b + 1, ..., 0], rl)
 
 
+@pytest.mark.case(q_s=1)
 def test_shared_prefix_per_channel():
     """Shared prefix (SPEC 7) with int8 K/V: the prefix is int8 too and dequantized with the same per-channel
     parameters; effective keys = prefix[:P] then the batch's own keys."""
@@ -592,6 +605,7 @@ def test_shared_prefix_per_channel():
     assert_lse(l[..., 0], rl)
 
 
+@pytest.mark.case(q_s=1)
 def test_zero_kv_length_batch():
     """A batch with act_kv = 0 (no key) gives output 0 and lse +inf also with dequantization."""
     seed = 919

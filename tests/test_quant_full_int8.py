@@ -98,6 +98,7 @@ def check_f16(oc, ro, amb, rl):
 LAYOUTS = ["BSH", "BSND", "BNSD", "BNSD_BSND"]
 
 
+@pytest.mark.case(full_quant=True)
 @pytest.mark.parametrize("form", ["f32", "u64"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_full_int8_fp16_out(layout, form):
@@ -112,6 +113,7 @@ def test_full_int8_fp16_out(layout, form):
     assert torch.isposinf(lc[1, :, 5:]).all() and (oc[1, :, 5:] == 0).all()
 
 
+@pytest.mark.case(full_quant=True)
 @pytest.mark.parametrize("qs1,sstd", [(127.0, 2.5), (40.0, 1.0), (600.0, 6.0), (3000.0, 0.3)],
                          ids=["qs127", "qs40", "qs600-saturating", "qs3000-flat-saturating"])
 def test_full_int8_p8_ranges(qs1, sstd):
@@ -131,6 +133,7 @@ def test_full_int8_p8_ranges(qs1, sstd):
         assert (p <= 127.5).all()
 
 
+@pytest.mark.case(full_quant=True)
 @pytest.mark.parametrize("form", ["u64-high", "f32-scalar", "torch-uint64"])
 def test_full_int8_scale_forms(form):
     """"UINT64" scales with non-zero high bits (only the low 32 bits are the float32 pattern), a torch.uint64
@@ -151,6 +154,7 @@ MASKS = [
 ]
 
 
+@pytest.mark.case(full_quant=True)
 @pytest.mark.parametrize("mid,sparse,pre,nxt,mk", MASKS, ids=[m[0] for m in MASKS])
 def test_full_int8_masks(mid, sparse, pre, nxt, mk):
     """Masks / sparse modes apply to S after dequantization (SPEC 11 '+ mask …', SPEC 5)."""
@@ -173,6 +177,7 @@ def test_full_int8_masks(mid, sparse, pre, nxt, mk):
     check_f16(oc, ro, amb, rl)
 
 
+@pytest.mark.case(full_quant=True)
 def test_full_int8_left_padding():
     """Query and KV left padding (SPEC 4) with full int8: windows [S - pad - act, S - pad); fp16 output + lse."""
     b, n, kvn, sq, skv, d = 2, 2, 2, 6, 8, 32
@@ -186,6 +191,7 @@ def test_full_int8_left_padding():
     assert (oc[:, :, 5:] == 0).all() and (oc[0, :, :1] == 0).all()
 
 
+@pytest.mark.case(full_quant=True)
 def test_full_int8_pse():
     """pse_shift (float16 for an int8 query, SPEC 3) is added after the dequantized, scaled scores."""
     b, n, kvn, sq, skv, d = 1, 2, 1, 5, 12, 32
@@ -196,6 +202,7 @@ def test_full_int8_pse():
     check_f16(oc, ro, amb, rl)
 
 
+@pytest.mark.case(full_quant=True)
 def test_prompt_api_full_int8():
     """npu_prompt_flash_attention spells the scales deq_scale1 / deq_scale2 (SPEC 1.1)."""
     b, n, kvn, sq, skv, d = 2, 2, 2, 6, 15, 32
@@ -206,6 +213,7 @@ def test_prompt_api_full_int8():
 
 
 # ------------------------------------------------------------------------------- int8 output (SPEC 12)
+@pytest.mark.case(full_quant=True)
 @pytest.mark.parametrize("layout,shape", [
     ("BSH", "tensor"), ("BSH", (1, 1, "H")), ("BSH", ("H",)),
     ("BNSD", (1, "N", 1, "D")), ("BNSD", ("N", "D")), ("BSND", (1, 1, "N", "D")), ("BSND", ("N", "D")),

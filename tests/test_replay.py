@@ -16,15 +16,14 @@ from fia.parse import memo
 import naive
 from util import gen, randn, to_layout
 
-pytestmark = pytest.mark.skipif(not DEC.numba_available(), reason="numba not installed")
+pytestmark = [pytest.mark.skipif(not DEC.numba_available(), reason="numba not installed"),
+              pytest.mark.backends("decode")]      # only the decode backend offers replays (conftest)
 
 
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch, fia_backend):
     """The decode backend's replay (the suite's other backends offer none); an empty replay table, the memo
     looking up every call, counters from zero."""
-    if fia_backend != "decode":
-        pytest.skip("only the decode backend offers replays")
     monkeypatch.setattr(memo, "_TRIAL", 1 << 30)
     replay.clear()
     monkeypatch.setattr(replay, "stats", {"admitted": 0, "refused": 0, "replayed": 0})

@@ -127,6 +127,7 @@ def test_left_padding_windows(which, layout, dt):
             act_q=[8, 1, 5], act_kv=[21, 7, 1], qpad=qpad, kvpad=kvpad)
 
 
+@pytest.mark.case(q_s=1)
 @pytest.mark.parametrize("layout", ["BSH", "BNSD"])
 def test_left_padding_decode(layout):
     """Decode: kv_padding_size shifts the KV window; query_padding_size is meaningless (Q_S = 1)."""
@@ -135,6 +136,7 @@ def test_left_padding_decode(layout):
             qpad=4, act_q=[1, 1, 1])
 
 
+@pytest.mark.case(q_s=1)
 @pytest.mark.parametrize("shape", ["BK", "B11K"])
 def test_left_padding_decode_mask_physical(shape):
     """Decode + kv left padding + a plain mask (decode shapes): the mask column is the physical position."""
@@ -150,6 +152,7 @@ def test_left_padding_zero_length_rows():
     lp_case(seed=93, sq=7, skv=11, act_q=[0, 5, 7], act_kv=[6, 0, 9], qpad=0, kvpad=2)
 
 
+@pytest.mark.case(q_s=1)
 def test_left_padding_incre_api():
     """npu_incre_flash_attention: kv_padding_size with actual_seq_lengths (= KV lengths)."""
     lp_case(seed=91, layout="BSH", sq=1, skv=20, act_kv=[3, 14], b=2, kvpad=4, api="incre")
@@ -174,6 +177,7 @@ def test_left_padding_overflow_zeroes_that_batch(which):
     assert (oc[0] != 0).any()
 
 
+@pytest.mark.case(q_s=1)
 def test_left_padding_overflow_decode_kv():
     lp_case(seed=9, b=3, sq=1, skv=12, act_kv=[10, 11, 4], kvpad=2)
 

@@ -153,6 +153,7 @@ def test_prefix_mask_columns_prefix_first(sparse):
                 act_q=[7, 4], act_kv=[11, 5], mask=mask, sparse_mode=sparse, **kw)
 
 
+@pytest.mark.case(q_s=1)
 def test_prefix_decode_mask():
     """Decode with a prefix: mask (B, P + KV_S)."""
     b, skv, p = 3, 10, 8

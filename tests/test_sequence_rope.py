@@ -93,6 +93,7 @@ def test_rope_value_dim_differs(sq, dv):
     rope_dense_case(seed=seed_of("ropedv", sq, dv), layout="BNSD", sq=sq, d=64, dv=dv, **kw)
 
 
+@pytest.mark.case(q_s=1)
 def test_rope_scale_applies_to_both_products():
     """S = scale · (Q·Kᵀ + Q_rope·K_ropeᵀ): with Q = 0 only the rope product (scaled) remains."""
     g = gen(3)
@@ -120,6 +121,7 @@ def test_rope_zero_equals_no_rope():
     assert_close(o1, o0.double(), BF16)
 
 
+@pytest.mark.case(q_s=1)
 @pytest.mark.parametrize("pre", [0, 3, 30])
 def test_rope_decode_sparse4_sliding_window(pre):
     """With rope inputs Q_S = 1 keeps its sparse mode (SPEC 5): sparse 4 with the template = a sliding
@@ -128,6 +130,7 @@ def test_rope_decode_sparse4_sliding_window(pre):
                     mask=template_mask(), sparse_mode=4, pre=pre, nxt=0)
 
 
+@pytest.mark.case(q_s=1)
 def test_rope_decode_plain_mask_sparse0():
     """Decode with rope and a plain per-batch mask (B, 1, 1, KV_S) under sparse 0."""
     b, skv = 3, 17
@@ -271,11 +274,13 @@ def test_deepseek_mla_paged_fp16_and_v2(layout, qlens):
                   api="v2")
 
 
+@pytest.mark.case(q_s=1)
 def test_deepseek_mla_paged_decode_block_size_16():
     """Decode allows block_size 16 (multiple of 16) also with rope."""
     deepseek_case(seed=77, layout="BNSD", n=16, qlens=[1, 1], kvlens=[40, 3], bs=16, fmt="4d", lse=False)
 
 
+@pytest.mark.case(q_s=1)
 def test_rope_paged_gqa():
     """Rope on a paged cache with KV_N = 2 (both cache formats), D = 128, Dv = 128."""
     b, n, kvn, d, dr, bs = 2, 8, 2, 128, 64, 16
@@ -296,6 +301,7 @@ def test_rope_paged_gqa():
         assert_lse(lse[..., 0], ref_l)
 
 
+@pytest.mark.case(q_s=1)
 def test_deepseek_mla_128_heads_one_kv_head():
     """DeepSeek at TP = 1: 128 query heads on the single latent KV head (G = 128). The general rule caps G at
     64 (FusedInferAttentionScoreV4, numKeyValueHeads), but the same document's MLA tables (query D = 512)

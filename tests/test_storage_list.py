@@ -71,6 +71,7 @@ def list_case(*, seed, layout="BSH", n=4, kvn=2, sq=1, d=32, dtype=F16, lens, ac
     return oc, lse[..., 0]
 
 
+@pytest.mark.case(q_s=1)
 @pytest.mark.parametrize("layout", ["BSH", "BSND", "BNSD", "BSND_NBSD"])
 @pytest.mark.parametrize("dt", ["fp16", "bf16"])
 def test_list_equals_dense_decode(dt, layout):
@@ -83,6 +84,7 @@ def test_list_equals_dense_prefill(layout):
     list_case(seed=seed_of("lpre", layout), layout=layout, sq=6, lens=[9, 3, 20], act_q=[6, 2, 5])
 
 
+@pytest.mark.case(q_s=1)
 def test_list_with_shorter_kv_lengths_and_mask():
     """actual_seq_lengths_kv below each element's S (NaN past it) + a mask over the longest S."""
     lens, act = [12, 25, 6], [5, 25, 0]
@@ -101,6 +103,7 @@ def test_list_prefill_mask_pse_sparse(sparse):
               pse=pse)
 
 
+@pytest.mark.case(q_s=1)
 def test_list_kv_padding_falls_back_to_right_padding():
     """The documents: 'kv left padding does not support tensorlist; otherwise kv right padding is used' --
     a kv_padding_size with a tensor list leaves the right-padded result unchanged."""

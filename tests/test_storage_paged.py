@@ -85,6 +85,7 @@ LAYOUT_FMT = [("BSH", "3d"), ("BSND", "3d"), ("BNSD", "3d"), ("BNSD", "4d"), ("B
 DECODE_LAYOUT_FMT = [c for c in LAYOUT_FMT if c[0] != "BNSD_BSND"]     # BNSD_BSND is Q_S > 1 only
 
 
+@pytest.mark.case(q_s=1)
 @pytest.mark.parametrize("dt", ["fp16", "bf16"])
 @pytest.mark.parametrize("layout,fmt", DECODE_LAYOUT_FMT, ids=[f"{l}-{f}" for l, f in DECODE_LAYOUT_FMT])
 def test_paged_decode_layouts(layout, fmt, dt):
@@ -103,6 +104,7 @@ def test_paged_prefill_layouts(layout, fmt, dt):
                act_q=[sq, 3, 1], bs=128, dtype=DT[dt])
 
 
+@pytest.mark.case(q_s=1)
 def test_paged_3d_and_4d_cache_agree():
     """The two cache layouts of the same pool give the same result (BNSD query)."""
     g = gen(5)
@@ -123,6 +125,7 @@ def test_paged_3d_and_4d_cache_agree():
 
 
 # --------------------------------------------------------------------------------------------- pool shapes
+@pytest.mark.case(q_s=1)
 def test_paged_shared_pool_smaller_than_b_times_kvs():
     """Blocks shared between sequences (prefix caching): 4 sequences of 40 tokens (3 blocks each) live in a
     pool of 2 shared + 4 own + 1 spare = 7 blocks < B x KV_S / block_size = 12."""
@@ -137,6 +140,7 @@ def test_paged_shared_pool_prefill(sq):
                bs=128, share=1, spare=1, dtype=BF16)
 
 
+@pytest.mark.case(q_s=1)
 @pytest.mark.parametrize("garbage", ["minus1", "huge", "mixed"])
 def test_paged_unused_entries_are_never_read(garbage):
     """Entries past a sequence's last block are unused: -1 or any garbage value (SPEC 8: only used ids are
@@ -146,6 +150,7 @@ def test_paged_unused_entries_are_never_read(garbage):
                unused=unused[garbage])
 
 
+@pytest.mark.case(q_s=1)
 @pytest.mark.parametrize("form", ["tuple", "np_int32", "torch_int32", "torch_int64"])
 def test_paged_kv_length_forms(form):
     """actual_seq_lengths_kv as tuple / NumPy array / int32 or int64 tensor with paged KV (SPEC 1.1)."""
@@ -169,17 +174,20 @@ def test_paged_kv_length_forms(form):
     assert_lse(lse[..., 0], ref_l)
 
 
+@pytest.mark.case(q_s=1)
 def test_paged_all_batches_empty():
     """Every act_kv = 0: no block is used (the whole table may be -1); output 0, lse +inf."""
     oc, lc, _, _ = paged_case(seed=21, sq=1, b=2, lens=[0, 0], bs=16, dense_too=True)
     assert (oc == 0).all() and torch.isposinf(lc).all()
 
 
+@pytest.mark.case(q_s=1)
 def test_paged_exact_block_multiple_and_single_token():
     """Lengths exactly at block boundaries and single-token sequences."""
     paged_case(seed=23, sq=1, b=4, lens=[16, 32, 1, 48], bs=16, extra_cols=0, spare=0)
 
 
+@pytest.mark.case(q_s=1)
 def test_paged_int64_table_portable():
     """Portable mode accepts an int64 block table (int32 only in strict mode)."""
     with fia.validation_mode("portable"):
@@ -228,6 +236,7 @@ def test_paged_pse_and_mask_prefill(dt):
                dtype=DT[dt], pse=pse, mask=mask, sparse_mode=1)
 
 
+@pytest.mark.case(q_s=1)
 def test_paged_decode_mask_and_pse():
     """Decode: mask (B, max_blocks x block_size) and pse (B, N, 1, max_blocks x block_size)."""
     b, n, bs = 3, 4, 16
@@ -304,6 +313,7 @@ def test_paged_tnd(layout, fmt, qlens, kvlens, sparse, bs, dt):
 
 
 # --------------------------------------------------------------------------------------------- other APIs
+@pytest.mark.case(q_s=1)
 def test_paged_incre_flash_attention():
     """npu_incre_flash_attention with block_table: its actual_seq_lengths are the KV lengths."""
     b, n, kvn, d, bs = 3, 8, 1, 64, 32
@@ -320,6 +330,7 @@ def test_paged_incre_flash_attention():
     assert_close(out_to_canon(out, "BSH", n), ref, BF16)
 
 
+@pytest.mark.case(q_s=1)
 def test_paged_v2_entry_point():
     """npu_fused_infer_attention_score_v2 takes block_table / block_size / actual_seq_kvlen too."""
     b, n, kvn, d, bs = 2, 4, 2, 32, 16
@@ -349,6 +360,7 @@ def test_block_size_without_block_table_is_ignored():
 
 
 # --------------------------------------------------------------------------------------------- int8 + paged
+@pytest.mark.case(q_s=1)
 def test_paged_int8_antiquant_decode_block32():
     """int8 K/V (per-tensor antiquant) on a paged cache with block_size 32 (the int8 decode alignment)."""
     b, n, kvn, d, bs = 2, 4, 2, 32, 32
@@ -370,6 +382,7 @@ def test_paged_int8_antiquant_decode_block32():
     assert_lse(lse[..., 0], ref_l)
 
 
+@pytest.mark.case(q_s=1)
 def test_paged_int8_per_token_scales_over_max_blocks():
     """Per-token antiquant scales (antiquant_mode 1: (2, B, KV_S), float32) with paged KV are indexed by the
     sequence position p and must cover max_blocks x block_size positions (SPEC 8, 10.3); entries past each
@@ -396,6 +409,7 @@ def test_paged_int8_per_token_scales_over_max_blocks():
     assert_close(out_to_canon(out, "BSH", n), ref, BF16)
 
 
+@pytest.mark.case(q_s=1)
 def test_paged_non_contiguous_views_and_inputs_untouched():
     """Real clients pass views: a 4-D cache that is a transpose of a (blocknum, block_size, KV_N, D) buffer,
     key and value as the two halves of one stacked KV buffer, and a block table sliced out of a larger

@@ -84,6 +84,7 @@ def test_q_lengths_accepted_forms(lengths):
     run_ok(call)
 
 
+@pytest.mark.case(q_s=1)
 def test_incre_lengths_accepted():
     call = BASES["incre_bsh"]()
     call["actual_seq_lengths"] = [6, 2]
@@ -193,6 +194,7 @@ def test_mask_shapes_accepted_prefill(shape, sparse_mode):
     run_ok(call)
 
 
+@pytest.mark.case(q_s=1)
 @pytest.mark.parametrize("shape", [(2, 6), (2, 1, 6), (2, 1, 1, 6), (2, 1, 1, 16)], ids=str)
 def test_mask_shapes_accepted_decode(shape):
     call = BASES["decode_mask"]()
@@ -208,6 +210,7 @@ def test_template_shapes_accepted(shape, sparse_mode):
     run_ok(call)
 
 
+@pytest.mark.case(q_s=1)
 def test_decode_with_causal_sparse_mode_and_template_accepted():
     # SPEC 15.11: decode (Q_S = 1, no rope) with sparse 2..4 and the template mask is accepted
     call = BASES["decode_bnsd"]()
@@ -395,6 +398,7 @@ def test_tensor_list(c):
     check_case(c)
 
 
+@pytest.mark.case(q_s=1)
 def test_tensor_list_limits_accepted():
     call = dict(api="fused", query=t(256, 1, 1, 16), key=_list(*[(1, 1, 2, 16)] * 256),
                 value=_list(*[(1, 1, 2, 16)] * 256), num_heads=1, input_layout="BNSD")

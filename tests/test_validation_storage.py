@@ -322,6 +322,7 @@ def test_block_id_error_is_clear():
     assert "7" in msg and "4" in msg, msg
 
 
+@pytest.mark.case(q_s=1)
 def test_3d_cache_h_over_65535():
     """(blocknum, block_size, H) with H = KV_N*D > 65535: a hardware error in strict mode (hint: the 4-D
     cache); portable mode and the 4-D cache accept the same data."""
@@ -350,6 +351,7 @@ def test_nz_cache_is_unsupported_not_invalid():
     assert isinstance(ei.value, NotImplementedError) and not isinstance(ei.value, fia.FiaInputError)
 
 
+@pytest.mark.case(q_s=1)
 @pytest.mark.parametrize("bs", [1, 24, 520], ids=lambda x: f"bs{x}")
 def test_portable_mode_lifts_block_size_rules(bs):
     """The block_size rules are hardware-only (SPEC 1.4): portable mode accepts any positive block size."""
@@ -369,6 +371,7 @@ def test_portable_prefill_block_size_16():
     assert run_ok(call, mode="portable").shape == call["query"].shape
 
 
+@pytest.mark.case(q_s=1)
 def test_portable_int64_table():
     call = _paged_decode_bnsd()
     call["block_table"] = call["block_table"].long()

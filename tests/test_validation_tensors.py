@@ -248,6 +248,7 @@ def test_limits_at_the_boundary_accepted():
     assert out.shape == (1, 1, 2, 512)
 
 
+@pytest.mark.case(q_s=1)
 def test_decode_unaligned_d_accepted_in_strict():
     # only prefill carries the 16-alignment rule for fp16/bf16 (V4, "当Q_S大于1时", D轴限制)
     out = run_ok(BASES["decode_d24"]())
@@ -304,6 +305,7 @@ def test_portable_accepts_float_inputs(dtype):
     assert out.dtype == dtype and out.shape == (2, 2, 4, 16)
 
 
+@pytest.mark.case(q_s=1)
 def test_portable_accepts_float32_decode():
     b = BASES["decode_bnsd"]()
     for n in ("query", "key", "value"):

@@ -333,7 +333,7 @@ def _qk_block(b, op, NR, NC, r0, q0, q_rs, kaddr, offp, c, s0, s_rs, nd, ND, x, 
     core but only half that when rows are read interleaved. With ND known the block is straight-line
     code, so the NR x NC accumulation chains overlap (vdpbf16ps has a 6-cycle latency)."""
     # the prefetch requests first, before the accumulators exist: emitted after the FMAs, their code kept
-    # every accumulator live across it (fma._qk_narrow: measured on Zen 3; here static only: qk_fma
+    # every accumulator live across it (fma.qk_narrow: measured on Zen 3; here static only: qk_fma
     # for an AVX-512 target, vector spills / reloads in the function 246 / 126 -> 17 / 5)
     prefetch_rows(b, x, c, NC)
     prefetch_ahead(b, x, kaddr, offp, n, c64(ND * op.kstep) if ND else b.mul(nd, c64(op.kstep)), c64(op.es), c, NC)

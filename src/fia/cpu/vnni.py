@@ -19,7 +19,7 @@ are exact; the 16 lanes are converted to float32 before they are summed (docs/DE
   products of |w v| <= 32767 * 128, below 2^31), each block added to the float32 accumulators.
 
 CPUs without AVX-512 (fma.NARROW: 16 vector registers of 8 lanes) run 8-lane forms of both kernels
-(fma._qk_narrow with an int16 QKOp, _pv_narrow_i8) on AVX2 `vpmaddwd` (pairwise int16 products summed
+(fma.qk_narrow with an int16 QKOp, _pv_narrow_i8) on AVX2 `vpmaddwd` (pairwise int16 products summed
 into int32 lanes) plus an add: the same integer arithmetic, 8 lanes per instruction. On a CPU without the
 instruction the same IR computes the products with int32 multiplies (exact), so the code always compiles; the
 backend selects these kernels where the instruction of the width exists (`HAS_VNNI`: AVX512-VNNI, or AVX2 for
@@ -157,7 +157,7 @@ _PAIR_BYTES = [[x for i in range(h, h + 8) for x in (i, 16 + i)] for h in (0, 8)
 
 
 def _pv_narrow_i8(b, wa, w_rs, va, offp, n, aa, a_rs, R, Dv, wsa, x):
-    """pv_i8's body on 8-lane vectors (as fma._qk_narrow): blocks of NR rows (4, 2, 1) x DG = 8 / NR
+    """pv_i8's body on 8-lane vectors (as fma.qk_narrow): blocks of NR rows (4, 2, 1) x DG = 8 / NR
     chunks of 8 channels per pass over the keys, 8 int32 accumulators of `vpmaddwd` sums over key pairs (the
     two keys' bytes interleaved); blocks of 512 keys (see pv_i8), each added to the float32 accumulators
     times ws[r]."""
