@@ -1,9 +1,11 @@
 """Full int8 attention and query dequantization (SPEC 11), with float16 or int8 output (SPEC 12, 13).
 
-The reference is the float64 formulation of SPEC 11 in tests/test_quant_helpers.py (int8_attention):
-S = (int32(Q·Kᵀ)·dequant_scale1)·scale, P = softmax(S), P8 = sat(rhe(P·quant_scale1)),
-O = int32(P8·V)·dequant_scale2.
-P8 entries whose P·quant_scale1 lies within 2e-3 of a rounding boundary may legitimately land on either side;
+The expectations come from the independent float64 formulation of (corrected) SPEC 11 in
+tests/test_quant_helpers.py (int8_attention; it never imports fia), on random int8 inputs:
+S = (int32(Q·Kᵀ)·dequant_scale1)·scale, E = exp(S - rowmax S) (the flash kernel's unnormalized exponentials),
+P8 = sat(rhe(E·quant_scale1)), O = int32(P8·V)·dequant_scale2 / rowsum(E), lse = rowmax S + log rowsum(E).
+One test reproduces torch_npu's own all-ones unit test (every scale 1.0: output 1).
+P8 entries whose E·quant_scale1 lies within 2e-3 of a rounding boundary may legitimately land on either side;
 the comparison allows exactly the output change such flips can cause (plus float16 output rounding), and
 int8 outputs must lie within ±1 of the quantized reference.
 """
@@ -117,8 +119,8 @@ def test_full_int8_fp16_out(layout, form):
 @pytest.mark.parametrize("qs1,sstd", [(127.0, 2.5), (40.0, 1.0), (600.0, 6.0), (3000.0, 0.3)],
                          ids=["qs127", "qs40", "qs600-saturating", "qs3000-flat-saturating"])
 def test_full_int8_p8_ranges(qs1, sstd):
-    """P·quant_scale1 in several ranges, including saturation at 127 (peaked rows with qs1 = 600; every entry
-    with qs1 = 3000 and near-uniform P). The reference asserts that the intended range is really exercised."""
+    """E·quant_scale1 in several ranges, including saturation at 127 (qs1 = 600: the entries near each row's
+    max; qs1 = 3000 with near-uniform E: every entry). The test asserts that the intended range is exercised."""
     b, n, kvn, sq, skv, d = 2, 2, 1, 6, 24, 64
     q8, k8, v8 = qkv8(seed_of("p8", qs1), b, n, kvn, sq, skv, d)
     ds1 = sstd / (4e4 * 0.125)
@@ -126,11 +128,13 @@ def test_full_int8_p8_ranges(qs1, sstd):
     check_f16(oc, ro, amb, rl)
     # how saturated is P8 in the reference?
     acc = torch.einsum("bnqd,bkd->bnqk", q8.double(), k8[:, 0].double()) * f32(ds1) * 0.125
-    p = torch.softmax(acc, dim=-1) * f32(qs1)
+    x = torch.exp(acc - acc.amax(dim=-1, keepdim=True)) * f32(qs1)      # E·quant_scale1
     if qs1 >= 600:
-        assert (p > 127.5).any(), "expected saturated P8 entries"
+        assert (x > 127.5).any(), "expected saturated P8 entries"
+        if qs1 >= 3000:
+            assert (x > 127.5).all(), "expected every P8 entry saturated"
     else:
-        assert (p <= 127.5).all()
+        assert (x <= 127.5).all() and (x.round() > 1).sum() > x.numel() // 4, "expected unsaturated, non-trivial P8"
 
 
 @pytest.mark.case(full_quant=True)
@@ -210,6 +214,104 @@ def test_prompt_api_full_int8():
     oc, _, ro, rl, amb = run_int8(q8, k8, v8, layout="BSH", ds1=1e-3, qs1=127.0, ds2=2e-4, scale=0.177,
                                   api="prompt", lse=False)
     check_f16(oc, ro, amb, rl)
+
+
+@pytest.mark.case(full_quant=True)
+@pytest.mark.parametrize("api", ["fused", "prompt"])
+def test_full_int8_torch_npu_all_ones(api):
+    """torch_npu's own unit test: query, key and value all-ones int8, every scale 1.0, 2048 keys. Every E is 1,
+    P8 = 1, int32(P8·V) = 2048, divided by rowsum(E) = 2048: the output is exactly 1 (quantizing the normalized
+    softmax instead gives round(1/2048) = 0)."""
+    b, n, sq, skv, d = 1, 2, 16, 2048, 128
+    q8 = torch.ones(b, n, sq, d, dtype=I8)
+    k8 = torch.ones(b, n, skv, d, dtype=I8)
+    v8 = torch.ones(b, n, skv, d, dtype=I8)
+    one = torch.tensor([1.0], dtype=F32)
+    if api == "fused":
+        out, l = fia.npu_fused_infer_attention_score(q8, k8, v8, num_heads=n, input_layout="BNSD", scale=1.0,
+                                                     dequant_scale1=one, quant_scale1=one, dequant_scale2=one,
+                                                     softmax_lse_flag=True)
+        # lse of the float scores: S = D everywhere -> D + log(2048)
+        assert torch.allclose(l.double(), torch.full_like(l.double(), d + math.log(skv)), rtol=0, atol=1e-4)
+    else:
+        out = fia.npu_prompt_flash_attention(q8, k8, v8, num_heads=n, input_layout="BNSD", scale_value=1.0,
+                                             deq_scale1=one, quant_scale1=one, deq_scale2=one)
+    assert out.dtype == F16
+    assert torch.equal(out, torch.ones_like(out)), f"expected all ones, got values {out.unique().tolist()}"
+
+
+def normalized_int8_attention(q8, k8, v8, *, ds1, qs1, ds2, scale):
+    """The superseded formulation (P8 quantized from the normalized softmax), float64, no masks: only to show
+    that the tests below tell the two apart."""
+    grp = q8.shape[1] // k8.shape[1]
+    k = k8.double().repeat_interleave(grp, dim=1)
+    v = v8.double().repeat_interleave(grp, dim=1)
+    s = (q8.double() @ k.transpose(-1, -2)) * ds1 * scale
+    p8 = (torch.softmax(s, dim=-1) * qs1).round().clamp(-128, 127)
+    return (p8 @ v) * ds2
+
+
+@pytest.mark.case(full_quant=True)
+@pytest.mark.parametrize("tiling", ["default", "online"])
+def test_full_int8_unnormalized(tiling, fia_backend, monkeypatch):
+    """Random int8 Q/K/V, GQA, quant_scale1 = 127 (E·127 spans the codes): the corrected formula, which the
+    superseded one (normalized P8) misses by far. "online": the torch backend with tiny tiles (several key
+    chunks: E is taken against the final row max in a second pass)."""
+    if tiling == "online":
+        if fia_backend != "torch":
+            pytest.skip("a torch backend tiling")
+        from fia.backends.torchops.backend import TorchBackend
+        for k_, v_ in dict(kv_elems=16 * 64, score_elems=16 * 16, rows_elems=0, max_chunk=16).items():
+            monkeypatch.setattr(TorchBackend, k_, v_)
+    b, n, kvn, sq, skv, d = 2, 4, 2, 10, 70, 32
+    q8, k8, v8 = qkv8(seed_of("unnorm", tiling), b, n, kvn, sq, skv, d)
+    ds1, qs1, ds2, scale = 3e-4, 127.0, 1e-3, 0.125          # S std ~ 1: many keys share the weight
+    oc, lc, ro, rl, amb = run_int8(q8, k8, v8, layout="BNSD", ds1=ds1, qs1=qs1, ds2=ds2, scale=scale,
+                                   act_kv=[70, 41])
+    check_f16(oc, ro, amb, rl)
+    old = normalized_int8_attention(q8[:1], k8[:1], v8[:1], ds1=f32(ds1), qs1=f32(qs1), ds2=f32(ds2),
+                                    scale=f32(scale))
+    with pytest.raises(AssertionError, match="elements off"):       # the check above rejects the old formula
+        assert_within_amb(old, ro[:1], amb[:1], rel=1e-3)
+
+
+@pytest.mark.case(full_quant=True)
+@pytest.mark.parametrize("ip", [0, 2], ids=["no-fix", "row-invalid-fix"])
+def test_full_int8_rows_without_keys(ip):
+    """SPEC 6 with full int8. Batch 0: rows 1 and 4 fully masked by the user mask (sparse 1): without row-invalid
+    correction every valid key has E = 1 (finite fill), so O = round(qs1)·Σv·ds2 / count and lse = -1e12 +
+    log(count); with it, 0 / +inf. Batch 1 (act_kv 13 of 20 keys): rowmax / rowsum over its 13 keys only.
+    sparse 3 variant below: rows the geometry leaves without a key are 0 / +inf."""
+    b, n, kvn, sq, skv, d = 2, 2, 1, 6, 20, 32
+    q8, k8, v8 = qkv8(seed_of("nokey", ip), b, n, kvn, sq, skv, d)
+    m = torch.rand(sq, skv, generator=gen(seed_of("nokey-m", ip))) < 0.3
+    m[1] = True
+    m[4] = True
+    mask = torch.stack([m, torch.zeros_like(m)])                   # batch 1: no user-masked key
+    kw = dict(sparse_mode=1, atten_mask=mask, inner_precise=ip)
+    nk = dict(sparse_mode=1, mask=mask, inner_precise=ip)
+    oc, lc, ro, rl, amb = run_int8(q8, k8, v8, layout="BNSD", ds1=1e-3, qs1=127.0, ds2=2e-4, scale=0.177,
+                                   act_kv=[20, 13], kw=kw, naive_kw=nk)
+    check_f16(oc, ro, amb, rl)
+    if ip == 0:
+        mean = 127.0 * v8[0, 0].double().sum(dim=0) * f32(2e-4) / skv    # round(qs1)·Σv·ds2 / rowsum(E)
+        assert torch.allclose(oc[0, :, 1].double(), mean.expand(n, d), rtol=2e-3, atol=1e-4)
+        assert (lc[0, :, [1, 4]] < -1e11).all()
+    else:
+        assert (oc[0, :, [1, 4]] == 0).all() and torch.isposinf(lc[0, :, [1, 4]]).all()
+
+
+@pytest.mark.case(full_quant=True)
+def test_full_int8_geometry_dead_rows():
+    """sparse 3 with act_kv < act_q (BNSD): the first act_q - act_kv rows of batch 1 see no key: 0 / +inf."""
+    b, n, kvn, sq, skv, d = 2, 2, 2, 8, 20, 32
+    q8, k8, v8 = qkv8(seed_of("dead8"), b, n, kvn, sq, skv, d)
+    tmpl = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)
+    oc, lc, ro, rl, amb = run_int8(q8, k8, v8, layout="BNSD", ds1=1e-3, qs1=127.0, ds2=2e-4, scale=0.177,
+                                   act_q=[8, 8], act_kv=[20, 5], kw=dict(sparse_mode=3, atten_mask=tmpl),
+                                   naive_kw=dict(sparse_mode=3))
+    check_f16(oc, ro, amb, rl)
+    assert (oc[1, :, :3] == 0).all() and torch.isposinf(lc[1, :, :3]).all() and torch.isfinite(lc[1, :, 3:]).all()
 
 
 # ------------------------------------------------------------------------------- int8 output (SPEC 12)

@@ -5,8 +5,9 @@ This module holds no tests (pytest collects it and finds none). Nothing here imp
 * KV dequantization (SPEC 10): `factor(...)` turns a scale/offset tensor of one documented granularity into a
   float64 array broadcastable to canonical [B, KV_N, S, D] (paged-block layouts are resolved through the
   block table); `dequant(xq, scale, offset)` = (x_q + offset) * scale in float64.
-* Full int8 (SPEC 11): `int8_attention` is a naive float64 formulation that also returns, per output element,
-  the largest change one P8 rounding-boundary flip can cause (the "ambiguity" tolerance).
+* Full int8 (SPEC 11): `int8_attention` is a naive float64 formulation (the flash kernel's unnormalized
+  exponentials are quantized, the row sum divides last) that also returns, per output element, the largest
+  change one P8 rounding-boundary flip can cause (the "ambiguity" tolerance).
 * Output quantization (SPEC 12): `out_quant_bounds`.
 """
 from __future__ import annotations
@@ -170,11 +171,12 @@ def sat_int8(x: torch.Tensor) -> torch.Tensor:
 def int8_attention(q8, k8, v8, *, ds1: float, qs1: float, ds2: float, scale: float, q_windows=None,
                    kv_windows=None, mask=None, sparse_mode: int = 0, pre_tokens: int = naive.INT_MAX,
                    next_tokens: int = naive.INT_MAX, pse=None, inner_precise: int = 0, amb_eps: float = 2e-3):
-    """Naive float64 SPEC 11 for canonical int8 q8 [B, N, Sq, D], k8/v8 [B, KV_N, Skv, D].
+    """Naive float64 SPEC 11 (corrected) for canonical int8 q8 [B, N, Sq, D], k8/v8 [B, KV_N, Skv, D].
 
-    S = (Q·Kᵀ · ds1) · scale (+ pse); masked -> -1e12; P = softmax(S); P8 = sat(rhe(P · qs1)); O = (P8·V) · ds2.
+    S = (Q·Kᵀ · ds1) · scale (+ pse); masked -> -1e12; E = exp(S - rowmax S) over the window's keys (unnormalized,
+    in [0, 1]); P8 = sat(rhe(E · qs1)); O = (P8·V) · ds2 / rowsum(E); lse = rowmax S + log rowsum(E).
     Returns (out [B, N, Sq, Dv], lse [B, N, Sq], amb [B, N, Sq, Dv]): amb bounds |ΔO| caused by P8 entries
-    whose P·qs1 lies within amb_eps of a rounding boundary (either neighbour is acceptable there).
+    whose E·qs1 lies within amb_eps of a rounding boundary (either neighbour is acceptable there).
     Windows / mask / sparse semantics are those of naive.one_batch (mask bool [B, >=Sq, >=Skv], physical)."""
     b, n, sq, _ = q8.shape
     kvn, skv, dv = v8.shape[1], v8.shape[2], v8.shape[3]
@@ -207,15 +209,15 @@ def int8_attention(q8, k8, v8, *, ds1: float, qs1: float, ds2: float, scale: flo
                 s = s + pse[i if pse.shape[0] > 1 else 0, h, q_lo:q_hi, kv_lo:kv_hi].double()
             s = s.masked_fill(masked, naive.FILL)
             m = s.max(dim=1, keepdim=True).values
-            e = torch.exp(s - m)
-            p = e / e.sum(dim=1, keepdim=True)
-            x = p * qs1
+            e = torch.exp(s - m)                                   # unnormalized: the row max gives 1
+            rs = e.sum(dim=1, keepdim=True)                        # rowsum(E) >= 1
+            x = e * qs1
             p8 = sat_int8(round_half_even(x))
             frac = x - torch.floor(x)
             near = ((frac - 0.5).abs() < amb_eps) & (x < 127.5 + amb_eps) & (x > -128.5 - amb_eps)
-            o = (p8 @ vs) * ds2
-            a = (near.double() @ vs.abs()) * abs(ds2)
-            l = (m + torch.log(e.sum(dim=1, keepdim=True))).squeeze(1)
+            o = (p8 @ vs) * ds2 / rs                               # the row sum divides last
+            a = (near.double() @ vs.abs()) * abs(ds2) / rs
+            l = (m + torch.log(rs)).squeeze(1)
             o[dead] = 0.0
             a[dead] = 0.0
             l[dead] = math.inf

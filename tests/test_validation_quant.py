@@ -599,12 +599,13 @@ def test_valid_boundaries(base, changes):
     ("v2_sep", dict(key_quant_mode=6, value_quant_mode=6)),
 ], ids=["fused", "v2"])
 def test_mode6_fp4_unsupported(base, changes):
-    """Mode 6 (per-token-group FP8-E8M0 scales for FP4 K/V) is documented but not implemented: the
-    'unsupported' class (NotImplementedError subclass), not an input error (SPEC 10.2, 14)."""
-    with pytest.raises(fia.FiaUnsupportedError) as ei:
-        _run(build(base, changes))
-    assert not isinstance(ei.value, fia.FiaInputError)
-    assert isinstance(ei.value, NotImplementedError)
+    """Mode 6 (per-token-group FLOAT8_E8M0 scales) with int8 K/V and fp16 scales: an input error (SPEC 14b.6
+    F3 / F1, line 1946: E8M0 scales, FP4 K/V only), in portable mode too -- not the 'unsupported' class."""
+    for mode in ("strict", "portable"):
+        with fia.validation_mode(mode), pytest.raises(fia.FiaInputError) as ei:
+            _run(build(base, changes))
+        assert ei.value.status == INVALID
+        assert ei.value.argument in ("key_antiquant_scale", "dequant_scale_key"), str(ei.value)
 
 
 @pytest.mark.parametrize("base,changes,names", [

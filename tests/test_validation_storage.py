@@ -13,7 +13,6 @@ from typing import Any, Callable, Dict, Tuple
 import pytest
 import torch
 
-import fia
 from _validation_util import BF16, F16, INVALID, NULLPTR, assert_input_error, run_ok, t
 
 I32, I64, I8 = torch.int32, torch.int64, torch.int8
@@ -60,10 +59,11 @@ def _paged_prefill():
 
 
 def _paged_tnd():
-    # TND decode (every query length 1), per-batch KV lengths with paged KV
-    return dict(api="fused", query=t(3, 2, 128, dtype=BF16), key=t(4, 16, 256, dtype=BF16),
-                value=t(4, 16, 256, dtype=BF16), num_heads=2, input_layout="TND", scale=0.1,
-                block_table=torch.tensor([[0, 2], [1, -1], [3, -1]], dtype=I32), block_size=16,
+    # TND decode (every query length 1), per-batch KV lengths with paged KV; block_size 128 (SPEC 14b.4 T14:
+    # 128, 512 or 1024 for paged TND)
+    return dict(api="fused", query=t(3, 2, 128, dtype=BF16), key=t(4, 128, 256, dtype=BF16),
+                value=t(4, 128, 256, dtype=BF16), num_heads=2, input_layout="TND", scale=0.1,
+                block_table=torch.tensor([[0, 2], [1, -1], [3, -1]], dtype=I32), block_size=128,
                 actual_seq_lengths=[1, 2, 3], actual_seq_lengths_kv=[20, 9, 16])
 
 
@@ -341,14 +341,12 @@ def test_3d_cache_h_over_65535():
     assert run_ok(call_ok).shape == (1, n, 1, d - 16)
 
 
-def test_nz_cache_is_unsupported_not_invalid():
-    """SPEC 8 / 14: the 5-D NZ cache (blocknum, KV_N, D/16, block_size, 16) is a later extension -- valid per
-    the documents, so FiaUnsupportedError (NotImplementedError), not an input error."""
-    call = _paged_decode_bnsd()
-    call.update(key=t(4, 2, 1, 16, 16), value=t(4, 2, 1, 16, 16))
-    with pytest.raises(fia.FiaUnsupportedError) as ei:
-        run_ok(call)
-    assert isinstance(ei.value, NotImplementedError) and not isinstance(ei.value, fia.FiaInputError)
+def test_nz_cache_reads_like_the_4d_cache():
+    """SPEC 8b: the 5-D NZ cache (blocknum, KV_N, D/16, block_size, 16) holds the 4-D cache's values in 16-element
+    fragments: the same call gives the same result on either (tests/test_storage_nz.py: the V4 scenarios)."""
+    call = _paged_decode_4d()
+    nz = {name: call[name].reshape(4, 2, 16, 1, 16).permute(0, 1, 3, 2, 4).contiguous() for name in ("key", "value")}
+    assert torch.equal(run_ok(dict(call, **nz), mode="portable"), run_ok(call, mode="portable"))
 
 
 @pytest.mark.case(q_s=1)
@@ -381,7 +379,9 @@ def test_portable_int64_table():
 
 # --- left padding ---------------------------------------------------------------------------------------------
 PADDING = [
-    case("query_padding_size-two-elements", "left_pad", "query_padding_size", query_padding_size=torch.tensor([1, 2])),
+    # one element or B (= 2) elements are valid (DECISIONS 41): three are not
+    case("query_padding_size-three-elements", "left_pad", "query_padding_size",
+         query_padding_size=torch.tensor([1, 2, 3])),
     case("kv_padding_size-two-elements", "left_pad", "kv_padding_size", kv_padding_size=torch.tensor([[1], [1]])),
     case("query_padding_size-empty", "left_pad", "query_padding_size",
          query_padding_size=torch.tensor([], dtype=I64)),

@@ -3,8 +3,9 @@
 `import fia as torch_npu` runs torch_npu attention code unchanged.
 """
 from . import aclnn, graph
-from .api import (_npu_fused_infer_attention_score_get_max_workspace,
-                  _npu_fused_infer_attention_score_v2_get_max_workspace, npu_attention_update,
+from .api import (_npu_fused_infer_attention_score_get_max_workspace, _npu_fused_infer_attention_score_infer_output,
+                  _npu_fused_infer_attention_score_v2_get_max_workspace,
+                  _npu_fused_infer_attention_score_v2_infer_output, npu_attention_update,
                   npu_fused_infer_attention_score, npu_fused_infer_attention_score_v2, npu_incre_flash_attention,
                   npu_prompt_flash_attention)
 from .config import (get_backend, get_validation_mode, set_backend, set_validation_mode, use_backend,
@@ -19,6 +20,7 @@ __all__ = [
     "npu_fused_infer_attention_score", "npu_incre_flash_attention", "npu_prompt_flash_attention",
     "npu_fused_infer_attention_score_v2", "npu_attention_update",
     "_npu_fused_infer_attention_score_get_max_workspace", "_npu_fused_infer_attention_score_v2_get_max_workspace",
+    "_npu_fused_infer_attention_score_infer_output", "_npu_fused_infer_attention_score_v2_infer_output",
     "FiaError", "FiaInputError", "FiaUnsupportedError", "FiaRuntimeError", "FiaMemoryError",
     "get_validation_mode", "set_validation_mode", "validation_mode",
     "get_backend", "set_backend", "use_backend",

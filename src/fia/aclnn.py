@@ -160,7 +160,6 @@ def _back(op: str) -> Dict[str, str]:
 
 
 def _plan(op: str, a: dict, attention_out, softmax_lse) -> Tuple[int, AclOpExecutor]:
-    table = dict(_OPS[op])                                 # aclnn -> torch_npu
     back = _back(op)
     for name in ("query", "key", "value"):
         if a[name] is None:
@@ -169,18 +168,8 @@ def _plan(op: str, a: dict, attention_out, softmax_lse) -> Tuple[int, AclOpExecu
     if attention_out is None:
         raise input_error("attentionOut", "a tensor (the caller-allocated output)", "None (nullptr)",
                           status=ACLNN_ERR_PARAM_NULLPTR)
-    if isinstance(a["inputLayout"], bytes):                # char*
-        a = dict(a, inputLayout=a["inputLayout"].decode())
     try:
-        if op == "aclnnIncreFlashAttentionV4":
-            args = {table[k]: v for k, v in a.items()}
-            args.update(padding_mask=None, key=_kv(args["key"]), value=_kv(args["value"]))
-            problem = parse.parse_incre(args)
-        else:
-            args = dict(FUSED_DEFAULTS)
-            args.update({table[k]: v for k, v in a.items()})
-            args.update(key=_kv(args["key"]), value=_kv(args["value"]))
-            problem = parse.parse_fused(args, api=op, aliases=back)
+        problem = _parse(op, a)
         check_outputs(problem, attention_out, softmax_lse, ("attentionOut", "softmaxLse"), " (softmaxLseFlag is true)")
         lse_flag = problem.want_lse
         if not lse_flag and softmax_lse is None and op != "aclnnIncreFlashAttentionV4":
@@ -189,6 +178,29 @@ def _plan(op: str, a: dict, attention_out, softmax_lse) -> Tuple[int, AclOpExecu
     except FiaError as e:
         raise _rename(e, back)
     return 0, AclOpExecutor(op, problem, backend, attention_out, softmax_lse, lse_flag, 0)
+
+
+def _parse(op: str, a: dict):
+    """The aclnn arguments of `op` (inputs and attributes, no outputs) -> the parsed problem."""
+    table = dict(_OPS[op])
+    if isinstance(a["inputLayout"], bytes):                # char*
+        a = dict(a, inputLayout=a["inputLayout"].decode())
+    if op == "aclnnIncreFlashAttentionV4":
+        args = {table[k]: v for k, v in a.items()}
+        args.update(padding_mask=None, key=_kv(args["key"]), value=_kv(args["value"]))
+        return parse.parse_incre(args)
+    args = dict(FUSED_DEFAULTS)
+    args.update({table[k]: v for k, v in a.items()})
+    args.update(key=_kv(args["key"]), value=_kv(args["value"]))
+    return parse.parse_fused(args, api=op, aliases=_back(op))
+
+
+def parse_call(op: str, a: dict):
+    """`op`'s phase-1 parse without the outputs (fia.explain): errors name the prototype's arguments."""
+    try:
+        return _parse(op, a)
+    except FiaError as e:
+        raise _rename(e, _back(op))
 
 
 # ------------------------------------------------------------------------------------------ phase 2

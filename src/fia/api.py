@@ -25,11 +25,13 @@ from . import eager, replay
 from .errors import FiaUnsupportedError, input_error
 from .graph import INT_LISTS, OPS, OpSpec, op
 from .outvariants import caller_outputs
+from .parse.core import DTYPE_NUMBERS
 
 __all__ = ["npu_fused_infer_attention_score", "npu_incre_flash_attention", "npu_prompt_flash_attention",
            "npu_fused_infer_attention_score_v2", "npu_attention_update",
            "_npu_fused_infer_attention_score_get_max_workspace",
-           "_npu_fused_infer_attention_score_v2_get_max_workspace"]
+           "_npu_fused_infer_attention_score_v2_get_max_workspace",
+           "_npu_fused_infer_attention_score_infer_output", "_npu_fused_infer_attention_score_v2_infer_output"]
 
 _dispatch_modes = torch._C._len_torch_dispatch_stack      # () -> active Python dispatch modes
 _jit_tracing = torch._C._is_tracing                        # torch.jit.is_tracing() without its Python frame
@@ -80,9 +82,17 @@ def _tensor_lengths(name: str, t: torch.Tensor) -> list:
         return [int(x) for x in t.detach().numpy().tolist()]
 
 
+def _schema_dtype(kw: dict) -> dict:
+    """out_dtype given as a torch.dtype -> torch_npu's dtype number (the schema's `int?`)."""
+    v = kw.get("out_dtype")
+    if isinstance(v, torch.dtype) and v in DTYPE_NUMBERS:
+        kw["out_dtype"] = DTYPE_NUMBERS[v]
+    return kw
+
+
 def _traced_call(spec: OpSpec, query, key, value, kwargs: dict, out: bool = False, outside_compile: bool = False):
-    kw = {k: (_host_ints(k, v, outside_compile) if k in INT_LISTS and v is not None else v)
-          for k, v in kwargs.items()}
+    kw = _schema_dtype({k: (_host_ints(k, v, outside_compile) if k in INT_LISTS and v is not None else v)
+                        for k, v in kwargs.items()})
     if isinstance(key, (list, tuple)) and isinstance(value, (list, tuple)):
         if out:
             raise FiaUnsupportedError(f"{spec.name}.out: graph mode has no .out overload for tensor-list "
@@ -179,6 +189,21 @@ _npu_fused_infer_attention_score_get_max_workspace = _routed(OPS["_npu_fused_inf
 _npu_fused_infer_attention_score_v2_get_max_workspace = _routed(
     OPS["_npu_fused_infer_attention_score_v2_get_max_workspace"])
 npu_attention_update = _routed_update(eager.npu_attention_update)
+
+
+def _routed_infer_output(fn):
+    """An `_infer_output` helper: its custom op while tracing (one graph node), else the eager function."""
+    @functools.wraps(fn)
+    def wrapper(query, value, **kwargs):
+        if torch.compiler.is_compiling() or _dispatch_modes() or _jit_tracing():
+            return getattr(torch.ops.fia, fn.__name__).default(query, value, **_schema_dtype(dict(kwargs)))
+        return fn(query, value, **kwargs)
+    return wrapper
+
+
+_npu_fused_infer_attention_score_infer_output = _routed_infer_output(eager._npu_fused_infer_attention_score_infer_output)
+_npu_fused_infer_attention_score_v2_infer_output = _routed_infer_output(
+    eager._npu_fused_infer_attention_score_v2_infer_output)
 # functools.wraps copied the eager .out attribute; the public one routes too
 npu_fused_infer_attention_score.out = _routed_out(OPS["npu_fused_infer_attention_score"])
 npu_fused_infer_attention_score_v2.out = _routed_out(OPS["npu_fused_infer_attention_score_v2"])

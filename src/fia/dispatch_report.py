@@ -5,15 +5,21 @@
     backend: reference
       reference: can run (selected)
 
-`explain` takes exactly the arguments of `npu_fused_infer_attention_score`, runs the parse layer (so an
-invalid call raises the same FiaInputError the call would) and asks every backend, computing nothing.
+`explain` takes the arguments of `npu_fused_infer_attention_score`, or of any other entry point named by its
+function as first argument or by `api=` (see `explain`), runs that entry point's parse step (so an invalid call
+raises the same FiaInputError the call would) and asks every backend, computing nothing.
 When no backend can run the problem, the report carries the same lines as the FiaUnsupportedError the
 call raises: the error's message, then one line per backend, ``  <name>: <reason>; <reason>``.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
+
+import torch
 
 from . import eager, parse
 from .cpu import jit
@@ -107,16 +113,72 @@ def explain_problem(problem) -> DispatchReport:
     return DispatchReport(problem.api, _summary(problem), selected, reasons, forced, error, details, tier)
 
 
-def explain(query, key, value, **kwargs) -> DispatchReport:
-    """Which backend would run npu_fused_infer_attention_score(query, key, value, **kwargs), and why not
-    the others. Computes nothing. Invalid arguments raise the FiaInputError the call would raise."""
-    import inspect
-    sig = inspect.signature(eager.npu_fused_infer_attention_score)
-    bound = sig.bind(query, key, value, **kwargs)     # unknown keywords: the same TypeError as the call
-    bound.apply_defaults()
-    name = "npu_fused_infer_attention_score"
+# the entry points fia.explain understands: name -> (the function whose signature binds the call, its parse step)
+def _entries() -> dict:
+    from . import aclnn
+    return {
+        "npu_fused_infer_attention_score": (eager.npu_fused_infer_attention_score, eager.fused_problem),
+        "npu_incre_flash_attention": (eager.npu_incre_flash_attention, parse.parse_incre),
+        "npu_prompt_flash_attention": (eager.npu_prompt_flash_attention, parse.parse_prompt),
+        "npu_fused_infer_attention_score_v2": (eager.npu_fused_infer_attention_score_v2, eager.v2_problem),
+        **{op: (getattr(aclnn, op + "GetWorkspaceSize"), functools.partial(aclnn.parse_call, op))
+           for op in ("aclnnFusedInferAttentionScoreV2", "aclnnFusedInferAttentionScoreV4",
+                      "aclnnIncreFlashAttentionV4")},
+    }
+
+
+def _api_name(api) -> str:
+    """A function (fia's, fia.eager's, an aclnn phase-1 or phase-2 function) or a name -> the entry point's name."""
+    name = api if isinstance(api, str) else getattr(api, "__name__", None)
+    if not isinstance(name, str):
+        raise TypeError(f"explain: api must be an entry point's name or function, not {type(api).__name__}")
+    if name.endswith("GetWorkspaceSize"):
+        name = name[:-len("GetWorkspaceSize")]
+    if name.startswith("_") and name.endswith("_get_max_workspace"):      # the workspace queries parse as the call
+        name = name[1:-len("_get_max_workspace")]
+    if name not in _entries():
+        raise TypeError(f"explain: unknown entry point {name!r}; one of {', '.join(_entries())}")
+    return name
+
+
+def explain(*args, api=None, **kwargs) -> DispatchReport:
+    """Which backend would run a call, and why not the others. Computes nothing. Invalid arguments raise the
+    FiaInputError the call would raise.
+
+        fia.explain(q, k, v, **kw)                                   # npu_fused_infer_attention_score's keywords
+        fia.explain(fia.npu_incre_flash_attention, q, k, v, **kw)    # any entry point: its function first ...
+        fia.explain(q, k, v, api="npu_fused_infer_attention_score_v2", **kw)      # ... or its name
+        fia.explain(fia.aclnn.aclnnIncreFlashAttentionV4GetWorkspaceSize, q, [k], [v], None, ...)   # aclnn
+
+    Entry points: npu_fused_infer_attention_score (default), npu_incre_flash_attention,
+    npu_prompt_flash_attention, npu_fused_infer_attention_score_v2 (their .out variants and workspace queries
+    parse the same), aclnnFusedInferAttentionScoreV2 / V4, aclnnIncreFlashAttentionV4 (the phase-1
+    arguments; attentionOut / softmaxLse may be left out). Unknown keywords raise the call's TypeError."""
+    if args and callable(args[0]) and not isinstance(args[0], torch.Tensor):
+        fn_name = _api_name(args[0])
+        if api is not None and _api_name(api) != fn_name:
+            raise TypeError(f"explain: the function {fn_name} and api={api!r} disagree")
+        api, args = fn_name, args[1:]
+    name = _api_name(api if api is not None else "npu_fused_infer_attention_score")
+    fn, problem_of = _entries()[name]
+    sig = inspect.signature(fn)
+    if name.startswith("aclnn"):
+        bound = sig.bind_partial(*args, **kwargs)     # unknown keywords: the same TypeError as the call
+        a = dict(bound.arguments)
+        a.pop("attentionOut", None)
+        a.pop("softmaxLse", None)
+        missing = [p for p in sig.parameters if p not in a and p not in ("attentionOut", "softmaxLse")]
+        if missing:
+            raise TypeError(f"explain: {name} needs every phase-1 argument (None for nullptr); missing "
+                            + ", ".join(missing))
+    else:
+        bound = sig.bind(*args, **kwargs)             # unknown keywords: the same TypeError as the call
+        bound.apply_defaults()
+        a = dict(bound.arguments)
+        if "unknown" in a and sig.parameters["unknown"].kind == inspect.Parameter.VAR_KEYWORD:
+            a["unknown"] = dict(a["unknown"])          # (v2 collects them: its own input error)
     try:
-        problem = parse.parse_fused(dict(bound.arguments), api=name)
+        problem = problem_of(a)
     except FiaUnsupportedError as e:   # valid, but a feature no backend implements (decided while parsing)
         return DispatchReport(name, "", None, dict(e.reasons), get_backend(), str(e))
-    return explain_problem(problem)
+    return dataclasses.replace(explain_problem(problem), api=name)    # (aclnnIncreFlashAttentionV4 parses as IFA)

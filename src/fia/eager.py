@@ -18,7 +18,8 @@ from .outvariants import out_variant, workspace_query
 __all__ = ["npu_fused_infer_attention_score", "npu_incre_flash_attention", "npu_prompt_flash_attention",
            "npu_fused_infer_attention_score_v2", "npu_attention_update",
            "_npu_fused_infer_attention_score_get_max_workspace",
-           "_npu_fused_infer_attention_score_v2_get_max_workspace"]
+           "_npu_fused_infer_attention_score_v2_get_max_workspace",
+           "_npu_fused_infer_attention_score_infer_output", "_npu_fused_infer_attention_score_v2_infer_output"]
 
 _INT_MAX = 2147483647
 
@@ -190,7 +191,7 @@ def npu_fused_infer_attention_score_v2(
         block_table: Opt = None, dequant_scale_query: Opt = None, dequant_scale_key: Opt = None,
         dequant_offset_key: Opt = None, dequant_scale_value: Opt = None, dequant_offset_value: Opt = None,
         dequant_scale_key_rope: Opt = None, quant_scale_out: Opt = None, quant_offset_out: Opt = None,
-        learnable_sink: Opt = None, num_query_heads: int = 1, num_key_value_heads: int = 0,
+        quant_scale_p: Opt = None, learnable_sink: Opt = None, num_query_heads: int = 1, num_key_value_heads: int = 0,
         softmax_scale: float = 1.0, pre_tokens: int = _INT_MAX, next_tokens: int = _INT_MAX, input_layout: str = "BSH",
         sparse_mode: int = 0, block_size: int = 0, query_quant_mode: int = 0, key_quant_mode: int = 0,
         value_quant_mode: int = 0, inner_precise: int = 0, return_softmax_lse: bool = False,
@@ -199,7 +200,7 @@ def npu_fused_infer_attention_score_v2(
         key_shared_prefix_dtype: Optional[int] = None, value_shared_prefix_dtype: Optional[int] = None,
         dequant_scale_query_dtype: Optional[int] = None, dequant_scale_key_dtype: Optional[int] = None,
         dequant_scale_value_dtype: Optional[int] = None, dequant_scale_key_rope_dtype: Optional[int] = None,
-        **unknown) -> Tuple[Tensor, Tensor]:
+        out_dtype: Optional[int] = None, **unknown) -> Tuple[Tensor, Tensor]:
     """FusedInferAttentionScoreV4 under its newer names (SPEC 1.1b). Returns (attention_out, softmax_lse).
 
     Args:
@@ -209,11 +210,15 @@ def npu_fused_infer_attention_score_v2(
         dequant_scale_query, query_quant_mode: int8 query dequantization.
         dequant_scale_key / dequant_offset_key / dequant_scale_value / dequant_offset_value, key_quant_mode,
             value_quant_mode: K / V dequantization (its key_/value_antiquant_* arguments, SPEC 10.2).
-        dequant_scale_key_rope: reserved. quant_scale_out, quant_offset_out: int8 output (SPEC 12).
+        dequant_scale_key_rope, quant_scale_p: reserved (None only). quant_scale_out, quant_offset_out: int8
+            output (SPEC 12).
         learnable_sink: float [N] per-head sink logits joining every row's softmax (SPEC 1.1b).
         num_query_heads, num_key_value_heads (0 = num_query_heads), softmax_scale: heads and scale.
         return_softmax_lse: also return the log-sum-exp of every row.
         *_dtype: reserved dtype overrides of torch_npu; only None is accepted.
+        out_dtype: the output dtype (a torch_npu dtype number, e.g. 5 float16 / 15 bfloat16 / 1 int8, or a
+            torch.dtype): float16 or bfloat16 for an int8 query, int8 with quant_scale_out; otherwise only the
+            output's own dtype. None: SPEC 13's rule.
 
     Returns:
         attention_out as the fused function's; softmax_lse float32 [B, N, Q_S, 1] ([T, N, 1] for TND) when
@@ -249,3 +254,45 @@ _npu_fused_infer_attention_score_get_max_workspace = workspace_query(
     npu_fused_infer_attention_score, fused_problem, "_npu_fused_infer_attention_score_get_max_workspace")
 _npu_fused_infer_attention_score_v2_get_max_workspace = workspace_query(
     npu_fused_infer_attention_score_v2, v2_problem, "_npu_fused_infer_attention_score_v2_get_max_workspace")
+
+
+# ---------------------------------------------------------------------------------- graph-capture output allocation
+def _npu_fused_infer_attention_score_infer_output(
+        query: Tensor, value: Tensor, *, input_layout: str = "BSH", quant_scale2: Opt = None,
+        block_table: Opt = None, num_heads: int = 1, num_key_value_heads: int = 0, softmax_lse_flag: bool = False,
+        query_rope: Opt = None) -> Tuple[Tensor, Tensor]:
+    """The outputs npu_fused_infer_attention_score would return, allocated and not computed (torch_npu's
+    graph-capture helper: capture code passes them to ``.out``). Shapes and dtypes from the query, the value
+    (its head dim; a paged cache with `block_table`), the layout and the output-dtype arguments (SPEC 13);
+    softmax_lse is float32 [B, N, Q_S, 1] ([T, N, 1] for TND layouts) with softmax_lse_flag, else empty [0]."""
+    return outputs_alloc(parse.infer_outputs(
+        dict(query=query, value=value, input_layout=input_layout, quant_scale2=quant_scale2,
+             block_table=block_table, num_heads=num_heads, num_key_value_heads=num_key_value_heads,
+             softmax_lse_flag=softmax_lse_flag, query_rope=query_rope),
+        "_npu_fused_infer_attention_score_infer_output"), query, (0,))
+
+
+def _npu_fused_infer_attention_score_v2_infer_output(
+        query: Tensor, value: Tensor, *, query_dtype: Optional[int] = None, value_dtype: Optional[int] = None,
+        input_layout: str = "BSH", quant_scale_out: Opt = None, block_table: Opt = None, num_query_heads: int = 1,
+        num_key_value_heads: int = 0, return_softmax_lse: bool = False, query_rope: Opt = None,
+        out_dtype: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+    """npu_fused_infer_attention_score_v2's outputs, allocated and not computed (torch_npu's signature;
+    query_dtype / value_dtype are reserved: None only). With return_softmax_lse off, softmax_lse is the (1,)
+    float32 tensor v2 returns (zero-filled)."""
+    return outputs_alloc(parse.infer_outputs(
+        dict(query=query, value=value, query_dtype=query_dtype, value_dtype=value_dtype, input_layout=input_layout,
+             quant_scale2=quant_scale_out, block_table=block_table, num_heads=num_query_heads,
+             num_key_value_heads=num_key_value_heads, softmax_lse_flag=return_softmax_lse, query_rope=query_rope,
+             out_dtype=out_dtype),
+        "_npu_fused_infer_attention_score_v2_infer_output", v2=True), query, (1,))
+
+
+def outputs_alloc(spec, query: Tensor, no_lse: tuple) -> Tuple[Tensor, Tensor]:
+    """(out shape, out dtype, lse shape or None) -> uninitialized tensors on the query's device; the lse
+    stand-in without the flag is zero-filled (`no_lse`: its shape)."""
+    shape, dtype, lse_shape = spec
+    out = query.new_empty(shape, dtype=dtype)
+    lse = query.new_empty(lse_shape, dtype=torch.float32) if lse_shape is not None else \
+        query.new_zeros(no_lse, dtype=torch.float32)
+    return out, lse

@@ -11,6 +11,7 @@ return convention of torch_npu::
     torch.ops.fia.npu_fused_infer_attention_score[_v2].out(query, key, value, *, ..., Tensor? workspace=None,
         Tensor(a!) attention_out, Tensor(b!) softmax_lse) -> (Tensor(a!), Tensor(b!))
     torch.ops.fia.npu_attention_update(Tensor[] lse, Tensor[] local_out, int update_type=0) -> (Tensor, Tensor?)
+    torch.ops.fia._npu_fused_infer_attention_score[_v2]_infer_output(query, value, *, ...) -> (Tensor, Tensor)
 
 ``.default`` takes ``key`` / ``value`` as tensors (dense or paged KV); the ``.kv_list`` overload takes
 them as ``Tensor[]`` (tensor-list KV, SPEC 1.1). The schemas are generated from the signatures in
@@ -59,7 +60,8 @@ from .errors import FiaUnsupportedError
 from .finalize import check_output, finalize
 from .outvariants import empty_workspace
 
-__all__ = ["OPS", "NAMESPACE", "INT_LISTS", "OpSpec", "op", "op_schema", "op_out_schema"]
+__all__ = ["OPS", "NAMESPACE", "INT_LISTS", "INFER_OUTPUT", "OpSpec", "op", "op_schema", "op_out_schema",
+           "plain_op_schema"]
 
 NAMESPACE = "fia"
 
@@ -69,7 +71,8 @@ INT_LISTS = frozenset({"actual_seq_lengths", "actual_seq_lengths_kv", "actual_sh
 # v2's reserved dtype arguments: torch_npu declares them int? (a dtype enum); only None is accepted
 _OPT_INTS = frozenset({"query_dtype", "key_dtype", "value_dtype", "query_rope_dtype", "key_rope_dtype",
                        "key_shared_prefix_dtype", "value_shared_prefix_dtype", "dequant_scale_query_dtype",
-                       "dequant_scale_key_dtype", "dequant_scale_value_dtype", "dequant_scale_key_rope_dtype"})
+                       "dequant_scale_key_dtype", "dequant_scale_value_dtype", "dequant_scale_key_rope_dtype",
+                       "out_dtype"})
 
 # arguments whose *values* parse reads on the host -> fill value of the stand-in used by the fake kernel
 _HOST_READ = {"block_table": 0, "query_padding_size": 0, "kv_padding_size": 0, "dequant_scale1": 1,
@@ -295,6 +298,26 @@ for _spec in OPS.values():
     if _spec.lse_flag:
         _LIB.define(op_out_schema(_spec))
         _LIB.impl(_spec.name + ".out", _out_kernel(_spec), "CompositeImplicitAutograd")
+
+# the graph-capture output helpers (torch_npu's `_infer_output`): shape-only functions, so the eager function is
+# also the fake kernel (it allocates on the query's device: fake / meta tensors under tracing)
+INFER_OUTPUT = (eager._npu_fused_infer_attention_score_infer_output,
+                eager._npu_fused_infer_attention_score_v2_infer_output)
+
+
+def plain_op_schema(fn: Callable, returns: str) -> str:
+    """Schema of a function whose positional parameters are tensors and whose keywords have defaults."""
+    sig = inspect.signature(fn)
+    pos = [f"Tensor {p.name}" for p in sig.parameters.values() if p.kind == p.POSITIONAL_OR_KEYWORD]
+    kw = [f"{_schema_type(p.name, p.default)} {p.name}={_schema_default(p.default)}"
+          for p in sig.parameters.values() if p.kind == p.KEYWORD_ONLY]
+    return f"{fn.__name__}({', '.join(pos + ['*'] + kw)}) -> {returns}"
+
+
+for _fn in INFER_OUTPUT:
+    _LIB.define(plain_op_schema(_fn, _PAIR))
+    _LIB.impl(_fn.__name__, _fn, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{NAMESPACE}::{_fn.__name__}", _fn, lib=_LIB)
 
 _LIB.define("npu_attention_update(Tensor[] lse, Tensor[] local_out, int update_type=0) -> (Tensor, Tensor?)")
 _LIB.impl("npu_attention_update", eager.npu_attention_update, "CompositeExplicitAutograd")

@@ -123,8 +123,11 @@ def attend_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fq: FullQuant
                 bias: Optional[torch.Tensor], masked: Optional[torch.Tensor]):
     """Full int8 quantization (SPEC 11). q [N, S1, D], k [KV_N, S2, D], v [KV_N, S2, Dv] hold int8 values.
 
-    S = (int32(Q Kᵀ) * dequant_scale1) * scale; P = softmax(S); P8 = sat_int8(round_half_even(P * quant_scale1));
-    O = int32(P8 V) * dequant_scale2. Integer products are exact in float64.
+    S = (int32(Q Kᵀ) * dequant_scale1) * scale; E = exp(S - rowmax(S)), the flash kernel's unnormalized
+    exponentials; P8 = sat_int8(round_half_even(E * quant_scale1)); O = int32(P8 V) * dequant_scale2 / rowsum(E).
+    Masked keys take the finite fill (E = 0 unless the whole row is masked: then E = 1 on every key, SPEC 6);
+    rowmax and rowsum run over the batch's own keys only; lse is that of the float scores, rowmax + log(rowsum)
+    (DECISIONS 50). Integer products are exact in float64.
     """
     n, s1, d = q.shape
     kv_n, s2, dv = v.shape
@@ -138,10 +141,10 @@ def attend_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fq: FullQuant
         s = s.masked_fill(masked, MASK_FILL)
     m = s.amax(dim=-1, keepdim=True)
     e = torch.exp(s - m)
-    den = e.sum(dim=-1, keepdim=True)
-    p8 = round_half_even_saturate_int8((e / den) * fq.quant_scale1)                  # [N, S1, S2] int8
+    den = e.sum(dim=-1, keepdim=True)                                                # rowsum(E) >= 1
+    p8 = round_half_even_saturate_int8(e * fq.quant_scale1)                          # [N, S1, S2] int8
     o = torch.bmm(p8.to(torch.float64).reshape(kv_n, g * s1, s2), v.to(torch.float64))  # int32(P8·V), exact
-    out = o.reshape(n, s1, dv).to(torch.float32) * fq.dequant_scale2
+    out = (o.reshape(n, s1, dv).to(torch.float32) * fq.dequant_scale2) / den        # the row sum divides last
     return out, (m + torch.log(den)).squeeze(-1)
 
 

@@ -1,8 +1,8 @@
 """The case table and the input builders.
 
 Every case is BNSD unless its name says otherwise. Decode: Q_S = 1, no mask; the K/V cache is dense, paged
-(block 128, a shuffled block table over a shared pool), or int8 with per-channel (mode 0) or per-token (mode 1)
-antiquant scales; the "-bsnd" cases keep a dense cache as [B, S, KV_N, D] (BSND), the "-bsh" paged ones a pool
+(block 128, a shuffled block table over a shared pool), int8 with per-channel (mode 0) or per-token (mode 1)
+antiquant scales, or FP4 E2M1 with per-token-group FLOAT8_E8M0 scales (mode 6, the "-fp4" cases); the "-bsnd" cases keep a dense cache as [B, S, KV_N, D] (BSND), the "-bsh" paged ones a pool
 [blocks, block_size, KV_N * D] (BSH): a token's rows of all KV heads side by side.
 Prefill: Q_S = KV_S = S, one of causal (sparse_mode 2 + the 2048x2048 template), band (sparse_mode 4,
 pre = next = 256, template) or pse_shift (an ALiBi bias [1, N, S, S], no mask).
@@ -33,7 +33,7 @@ class Case:
     D: int
     S_q: int
     S_kv: int
-    storage: str = "dense"    # dense | paged | int8-chan | int8-tok
+    storage: str = "dense"    # dense | paged | int8-chan | int8-tok | fp4
     layout: str = "BNSD"      # BNSD | BSND (dense) | BSH (paged): how K / V (and Q) are laid out
     mask: str = "none"        # none | causal | band | pse
     block_size: int = 128
@@ -69,6 +69,8 @@ class Case:
     def kv_bytes(self) -> int:
         """Bytes of K and V as stored (int8: 1 byte/element, plus their scales); paged: the used blocks."""
         elems = self.B * self.KV_N * self.S_kv * self.D
+        if self.storage == "fp4":                      # two values a byte + one E8M0 byte per 32 values
+            return 2 * (elems // 2 + elems // 32)
         if self.storage.startswith("int8"):
             scales = 2 * (self.KV_N * self.D * 2 if self.storage == "int8-chan" else self.B * self.S_kv * 4)
             return 2 * elems + scales
@@ -120,6 +122,7 @@ def prefill_case(dtype: str, mask: str, S: int, B=1, N=32, KV_N=8, D=128) -> Cas
 def full_table() -> list[Case]:
     cases = [small_decode_case()]
     cases += [decode_case(dt, st, s) for s in (1024, 4096, 16384) for dt in DTYPES for st in STORAGES]
+    cases += [decode_case("bf16", "fp4", s) for s in (4096, 16384)]
     cases += [c for s in (4096, 16384) for c in token_major_cases(s)]
     cases += [multi_token_decode_case(q, 4096) for q in (2, 4)]
     cases += [prefill_case(dt, m, s) for s in (1024, 2048, 8192) for dt in ("bf16", "fp16") for m in MASKS]
@@ -128,6 +131,7 @@ def full_table() -> list[Case]:
 
 def quick_table() -> list[Case]:
     cases = [small_decode_case()] + [decode_case(dt, st, 4096) for dt in DTYPES for st in STORAGES]
+    cases += [decode_case("bf16", "fp4", 4096)]
     cases += token_major_cases(4096)
     cases += [prefill_case("bf16", m, 1024) for m in MASKS] + [prefill_case("fp16", "causal", 1024)]
     return cases
@@ -155,7 +159,8 @@ class Inputs:
     #                                              (views of the case's layout: fia_args gives it)
     value: torch.Tensor                          # like key
     block_table: Optional[torch.Tensor] = None   # int32 [B, S_kv / bs]
-    k_scale: Optional[torch.Tensor] = None       # int8-chan [1, KV_N, 1, D] (dtype); int8-tok [1, B, S_kv] f32
+    k_scale: Optional[torch.Tensor] = None       # int8-chan [1, KV_N, 1, D] (dtype); int8-tok [1, B, S_kv] f32;
+    #                                              fp4 [1, B, KV_N, S_kv, D/32] float8_e8m0fnu
     v_scale: Optional[torch.Tensor] = None       # like k_scale
     pse: Optional[torch.Tensor] = None           # [1, N, S_q, S_kv] (dtype)
     mask: Optional[torch.Tensor] = None          # template [2048, 2048] bool
@@ -176,6 +181,9 @@ class Inputs:
             mode = 0 if c.storage == "int8-chan" else 1
             kw.update(key_antiquant_scale=self.k_scale, value_antiquant_scale=self.v_scale,
                       key_antiquant_mode=mode, value_antiquant_mode=mode)
+        elif c.storage == "fp4":
+            kw.update(key_antiquant_scale=self.k_scale, value_antiquant_scale=self.v_scale,
+                      key_antiquant_mode=6, value_antiquant_mode=6)
         if c.mask == "causal":
             kw.update(atten_mask=self.mask, sparse_mode=2)
         elif c.mask == "band":
@@ -215,10 +223,12 @@ class Inputs:
         # (copies in the case's layout, so that fia_args gives them as the case does)
         one = lambda t: None if t is None else _like_layout(t[:, :1], self.case.layout)  # noqa: E731
         per_chan = self.case.storage == "int8-chan"
+        if self.case.storage == "fp4":                 # [1, B, KV_N, S_kv, D/32]: head 0
+            grp = lambda t: t[:, :, :1].contiguous()   # noqa: E731
+        else:
+            grp = lambda t: one(t) if per_chan else t   # noqa: E731
         return Inputs(self.case, _like_layout(self.q[:, :G], self.case.layout), one(self.key), one(self.value),
-                      self.block_table,
-                      one(self.k_scale) if per_chan else self.k_scale,
-                      one(self.v_scale) if per_chan else self.v_scale,
+                      self.block_table, grp(self.k_scale), grp(self.v_scale),
                       None if self.pse is None else self.pse[:, :G].contiguous(), self.mask)
 
 
@@ -262,6 +272,13 @@ def build(case: Case, seed: int = 0) -> Inputs:
         inp.key, inp.value = kv(blocks, KV_N, bs, D), kv(blocks, KV_N, bs, D)
         perm = torch.randperm(blocks, generator=g)[: B * nb]
         inp.block_table = perm.view(B, nb).to(torch.int32)             # [B, nb]
+    elif case.storage == "fp4":                                        # FP4 bytes + E8M0 group scales
+        byts = lambda: torch.randint(0, 256, (B, KV_N, S_kv, D // 2), generator=g,  # noqa: E731
+                                     dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+        exps = lambda: torch.randint(120, 130, (1, B, KV_N, S_kv, D // 32), generator=g,  # noqa: E731
+                                     dtype=torch.uint8).view(torch.float8_e8m0fnu)
+        inp.key, inp.value = byts(), byts()
+        inp.k_scale, inp.v_scale = exps(), exps()
     else:                                                              # int8 + antiquant scales
         rint = lambda: torch.randint(-127, 128, (B, KV_N, S_kv, D), generator=g, dtype=torch.int8)  # noqa: E731
         inp.key, inp.value = rint(), rint()

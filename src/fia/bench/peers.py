@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..problem.quant import dequant_fp4
 from .cases import Inputs
 
 
@@ -63,6 +64,9 @@ def sdpa_call(inp: Inputs, compute_dtype: torch.dtype | None = None) -> Callable
             v = gather_paged(inp.value, inp.block_table, c.S_kv)
         elif c.storage.startswith("int8"):
             return dequant(inp.key, inp.k_scale, dt), dequant(inp.value, inp.v_scale, dt)
+        elif c.storage == "fp4":                                    # FP4 x E8M0 group scales dequantized first
+            return (dequant_fp4(inp.key, inp.k_scale[0], torch.float32).to(dt),
+                    dequant_fp4(inp.value, inp.v_scale[0], torch.float32).to(dt))
         else:
             k, v = inp.key, inp.value                              # [B, KV_N, S_kv, D]
         return k.to(dt), v.to(dt)

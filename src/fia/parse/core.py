@@ -11,13 +11,14 @@ import torch
 
 from ..config import is_strict
 from ..errors import FiaUnsupportedError
-from ..problem.attention import AttentionProblem, BatchGeometry
+from ..problem.attention import AttentionProblem, BatchGeometry, cache_dim
 from . import lengths as L
 from . import masking as M
 from . import memo
 from . import quant as QT
 from . import sequence as Q
 from . import tensors as T
+from . import v4_rules as V4
 from .context import Ctx, describe, dtype_name
 from .unimplemented import reject_unimplemented
 from .paged import paged_kv
@@ -43,6 +44,7 @@ def _parse(a: dict, api: str, aliases: Optional[dict], decode_only: bool) -> Att
     key = T.kv_arg(ctx, "key", a["key"])
     value = T.kv_arg(ctx, "value", a["value"])
     _optional_tensors(ctx, a)
+    _reserved(ctx, a)
     _same_device(ctx, query, a)
     layout = T.parse_layout(ctx, a["input_layout"])
     if decode_only and layout.name not in ("BSH", "BSND", "BNSD"):
@@ -117,13 +119,13 @@ def _parse(a: dict, api: str, aliases: Optional[dict], decode_only: bool) -> Att
         if key_rope.dtype != q_rope.dtype or (kd != torch.int8 and key_rope.dtype != kd):
             raise ctx.err("key_rope", f"dtype {dtype_name(q_rope.dtype)} (query_rope's, and the key's)",
                           f"dtype {dtype_name(key_rope.dtype)}")
-        if kv.key_rope.shape[-1] != q_rope.shape[-1]:
+        if (cache_dim(kv.key_rope) if paged else kv.key_rope.shape[-1]) != q_rope.shape[-1]:
             raise ctx.err("key_rope", f"rope head dim {q_rope.shape[-1]} (query_rope's)", key_rope)
     _check_alignment(ctx, kind, query, qd.D, decode, a)
 
     # ---- lengths and left padding (SPEC 4)
-    qpad = Q.padding_size(ctx, "query_padding_size", a["query_padding_size"])
-    kvpad = Q.padding_size(ctx, "kv_padding_size", a["kv_padding_size"])
+    qpad = Q.padding_size(ctx, "query_padding_size", a["query_padding_size"], b)
+    kvpad = Q.padding_size(ctx, "kv_padding_size", a["kv_padding_size"], b)
     if paged and (qpad is not None or kvpad is not None):
         raise ctx.err("query_padding_size" if qpad is not None else "kv_padding_size",
                       "None with block_table (paged KV does not support left padding)", "a padding size")
@@ -157,8 +159,8 @@ def _parse(a: dict, api: str, aliases: Optional[dict], decode_only: bool) -> Att
 
     geometry = []
     for i in range(b):
-        qw = Q.left_window(q_rows[i], qpad, q_lens[i]) if qpad_on else (0, q_lens[i])
-        kw = Q.left_window(kv_phys[i], kvpad, kv_lens[i]) if kvpad_on else (0, kv_lens[i])
+        qw = Q.left_window(q_rows[i], qpad[i], q_lens[i]) if qpad_on else (0, q_lens[i])
+        kw = Q.left_window(kv_phys[i], kvpad[i], kv_lens[i]) if kvpad_on else (0, kv_lens[i])
         if qw is None or kw is None:      # the window starts below 0: the batch's output is zeros
             qw, kw = (0, 0), (0, 0)
         geometry.append(BatchGeometry(q_rows[i], qw[0], qw[1], kv_phys[i], kw[0], kw[1], p_len,
@@ -171,7 +173,7 @@ def _parse(a: dict, api: str, aliases: Optional[dict], decode_only: bool) -> Att
     pre, nxt = M.pre_next(ctx, a["pre_tokens"], a["next_tokens"])
     if layout.packed and mode == 3 and ctx.strict and not decode:
         for i, g in enumerate(geometry):   # the documents say act_q < act_kv; SPEC 15.11 allows ==
-            if g.s1 > g.s2:
+            if g.s1 > g.s2 > 0:          # act_kv == 0: a graph-padded request (SPEC 14b.4 T13, 14b.7)
                 raise ctx.hw("actual_seq_lengths", "per-batch query length <= KV length for TND with "
                              "sparse_mode 3", f"batch {i}: {g.s1} > {g.s2}")
     mask = M.build_mask(ctx, a["atten_mask"], mode, pre, nxt, ignore_sparse=decode and q_rope is None,
@@ -184,6 +186,10 @@ def _parse(a: dict, api: str, aliases: Optional[dict], decode_only: bool) -> Att
     lse_flag = a["softmax_lse_flag"]
     if not isinstance(lse_flag, (bool, int)) or lse_flag not in (0, 1):
         raise ctx.err("softmax_lse_flag", "a bool", describe(lse_flag))
+    # ---- the V4 strict tables (SPEC 14b.1-14b.6), before the quantization arguments are read
+    V4.check(ctx, a, layout=layout, query=query, key=key, value=value, qd=qd, dv=dv, q_rows=q_rows, q_s=q_s,
+             decode=decode, q_rope=q_rope, key_rope=key_rope, kind=kind, paged=paged, is_list=is_list,
+             left_padded=qpad_on or kvpad_on, prefix=prefix is not None, mode=mode, ip=ip)
 
     # ---- quantization (SPEC 10-12)
     antiquant = full = qdq = None
@@ -193,14 +199,15 @@ def _parse(a: dict, api: str, aliases: Optional[dict], decode_only: bool) -> Att
         antiquant = QT.antiquant(ctx, a, kind, q_rope.dtype if kind.query_dequant and q_rope is not None
                                  else (torch.float16 if query.dtype == torch.int8 else query.dtype), ext,
                                  decode=decode, q_s=q_s, is_list=is_list, left_padded=qpad_on or kvpad_on,
-                                 paged=paged, has_prefix=prefix is not None)
+                                 paged=paged, has_prefix=prefix is not None, nz=paged and kv.nz)
     if kind.full:
         full = QT.full_quant(ctx, a, decode=decode)
         if paged:
             raise ctx.err("block_table", "None with an int8 query (paged KV is not available for full "
                           "quantization)", a["block_table"])
     if kind.query_dequant:
-        qdq = QT.query_dequant(ctx, a, b, qd.N, qd.S if not layout.packed else q_s)
+        qdq = QT.query_dequant(ctx, a, b, qd.N, qd.S if not layout.packed else q_s, layout.inp,
+                               tuple(q_off) if layout.packed else None)
     out_q = QT.output_quant(ctx, a, q_dtype=query.dtype, n=qd.N, dv=dv, out_layout=layout.out,
                             int4=kind.kv == "int4", left_padded=qpad_on or kvpad_on, mask=mask, geometry=geometry)
     if out_q is not None:
@@ -209,6 +216,8 @@ def _parse(a: dict, api: str, aliases: Optional[dict], decode_only: bool) -> Att
         out_dtype = q_rope.dtype if q_rope is not None else torch.float16
     else:
         out_dtype = query.dtype
+    if a.get("out_dtype") is not None:
+        out_dtype = _requested_out_dtype(ctx, a["out_dtype"], out_dtype, query.dtype, out_q is not None)
 
     compute = torch.float64 if query.dtype == torch.float64 else torch.float32
     return AttentionProblem(
@@ -233,6 +242,55 @@ _OPTIONAL_TENSORS = (
     "antiquant_scale", "antiquant_offset", "key_antiquant_scale", "key_antiquant_offset", "value_antiquant_scale",
     "value_antiquant_offset", "block_table", "key_shared_prefix", "value_shared_prefix", "query_rope", "key_rope",
     "key_rope_antiquant_scale", "dequant_scale_query", "learnable_sink")
+
+
+# torch_npu's dtype numbers (`int? out_dtype`: ATen's ScalarType numbering for the standard dtypes) -> dtype
+DTYPE_CODES = {0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.int64, 5: torch.float16,
+               6: torch.float32, 7: torch.float64, 11: torch.bool, 15: torch.bfloat16}
+for _code, _name in ((23, "float8_e5m2"), (24, "float8_e4m3fn")):
+    if hasattr(torch, _name):
+        DTYPE_CODES[_code] = getattr(torch, _name)
+DTYPE_NUMBERS = {dt: code for code, dt in DTYPE_CODES.items()}
+
+
+# reserved arguments the documents say have no effect (keyRopeAntiquantScale: "预留参数，当前版本不生效"; v2's
+# dequant_scale_key_rope maps onto it): None accepted, a tensor is an input error -- one rule in every entry point
+# (DECISIONS 39)
+RESERVED_TENSORS = ("key_rope_antiquant_scale",)
+
+
+def _reserved(ctx: Ctx, a: dict) -> None:
+    for name in RESERVED_TENSORS:
+        if a.get(name) is not None:
+            raise ctx.err(name, "None (a reserved argument with no effect in the documents)", a[name])
+
+
+def _requested_out_dtype(ctx: Ctx, v, default: torch.dtype, q_dtype: torch.dtype, quantized: bool) -> torch.dtype:
+    """npu_fused_infer_attention_score_v2's out_dtype (a torch_npu dtype number, or a torch.dtype): the output
+    dtype of an int8 query (float16 / bfloat16) or of a quantized output (int8). Without either, only the
+    output's own dtype (the query's) is accepted. FP8 outputs are valid per torch_npu's document but not
+    implemented. (DECISIONS 38)"""
+    if isinstance(v, torch.dtype):
+        dt = v
+    elif isinstance(v, int) and not isinstance(v, bool) and v in DTYPE_CODES:
+        dt = DTYPE_CODES[v]
+    else:
+        raise ctx.err("out_dtype", "None, a torch dtype or torch_npu's dtype number (5 float16, 15 bfloat16, "
+                      "1 int8, ...)", describe(v))
+    if dt.is_floating_point and dt.itemsize == 1:
+        raise FiaUnsupportedError(f"{ctx.n('out_dtype')}: an FP8 output ({dtype_name(dt)}) is valid per the "
+                                  "documents but not implemented by any FIA backend", {"reference": ["FP8 output"]})
+    if quantized:
+        allowed, why = (torch.int8,), "int8 (the output is quantized by quant_scale2)"
+    elif q_dtype == torch.int8:
+        allowed, why = (torch.float16, torch.bfloat16), "float16 or bfloat16 (the output of an int8 query)"
+    else:
+        allowed = (default,)
+        why = (f"{dtype_name(default)}, the output's dtype (out_dtype selects the output dtype only for an int8 "
+               "query or a quantized output)")
+    if dt not in allowed:
+        raise ctx.err("out_dtype", why, dtype_name(dt))
+    return dt
 
 
 def _resolve_neg(a: dict) -> dict:

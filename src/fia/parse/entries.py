@@ -1,6 +1,8 @@
 """npu_incre_flash_attention / npu_prompt_flash_attention mapped onto the fused argument set."""
 from __future__ import annotations
 
+import torch
+
 from .core import parse_fused
 
 _INT_MAX = 2147483647
@@ -29,6 +31,12 @@ def parse_incre(a: dict):
              kv_padding_size=a["kv_padding_size"], num_heads=a["num_heads"], scale=a["scale_value"],
              input_layout=a["input_layout"], num_key_value_heads=a["num_key_value_heads"],
              block_size=a["block_size"], inner_precise=a["inner_precise"])
+    sc, q = a["antiquant_scale"], a["query"]
+    if isinstance(sc, torch.Tensor) and isinstance(q, torch.Tensor) and sc.dim() == 3 and \
+            sc.dtype == torch.float32 and q.dtype in (torch.float16, torch.bfloat16):
+        # per-token: IncreFlashAttentionV4 has no mode argument; its antiquantScale / antiquantOffset of shape
+        # (2, B, S) (float32) say per-token, as the fused function's antiquant_mode=1 (SPEC 10.1; DECISIONS 41)
+        f["antiquant_mode"] = 1
     aliases = {"actual_seq_lengths_kv": "actual_seq_lengths", "scale": "scale_value"}
     return parse_fused(f, "npu_incre_flash_attention", aliases, decode_only=True)
 
@@ -64,12 +72,16 @@ V2_MAP = {
     "sparse_mode": "sparse_mode", "block_size": "block_size", "query_quant_mode": "query_quant_mode",
     "key_quant_mode": "key_antiquant_mode", "value_quant_mode": "value_antiquant_mode",
     "inner_precise": "inner_precise", "return_softmax_lse": "softmax_lse_flag",
+    # reserved in both spellings: the fused parser's one rule (RESERVED_TENSORS in core.py, DECISIONS 39)
+    "dequant_scale_key_rope": "key_rope_antiquant_scale",
+    # not a fused keyword: the output dtype override the fused parser reads when present (DECISIONS 38)
+    "out_dtype": "out_dtype",
 }
 # reserved: None (their default) accepted, anything else is an input error
 V2_RESERVED = ("query_dtype", "key_dtype", "value_dtype", "query_rope_dtype", "key_rope_dtype",
                "key_shared_prefix_dtype", "value_shared_prefix_dtype", "dequant_scale_query_dtype",
                "dequant_scale_key_dtype", "dequant_scale_value_dtype", "dequant_scale_key_rope_dtype",
-               "dequant_scale_key_rope")
+               "quant_scale_p")
 
 
 def parse_v2(a: dict, extra: dict):

@@ -17,7 +17,7 @@ def per_batch(ctx: Ctx, name: str, lens: Optional[Tuple[int, ...]], b: int,
         return tuple(limits)
     got = broadcast(lens, b)
     if got is None:
-        raise ctx.err(name, f"1 or at least B = {b} entries", f"{len(lens)} entries")
+        raise ctx.err(name, "at least 1 entry (B = 1)" if b == 1 else f"1 or at least B = {b} entries", f"{len(lens)} entries")
     for i, (v, lim) in enumerate(zip(got, limits)):
         if v < 0 or v > lim:
             raise ctx.err(name, f"values in [0, {lim}] ({limit_is.format(i=i)})", f"{v} at index {i}")

@@ -146,7 +146,8 @@ def pse_shift(ctx: Ctx, p, *, q_dtype: torch.dtype, decode: bool, packed: bool, 
         raise ctx.hw("pse_shift", "None for TND layouts", p)
     if decode and d % 16 and ctx.strict:
         raise ctx.hw("pse_shift", "D % 16 == 0 for decode (Q_S = 1) with pse_shift", f"D = {d}")
-    exp = f"(B or 1, Q_N, >= Q_S, >= KV_S) = ({b} or 1, {n}, >= {q_s}, >= {kv_s})"
+    lead = "1" if b == 1 else f"{b} or 1"           # (never "1 or 1")
+    exp = f"(B or 1, Q_N, >= Q_S, >= KV_S) = ({lead}, {n}, >= {q_s}, >= {kv_s})"
     if p.dim() != 4 or p.shape[0] not in (1, b) or p.shape[1] != n or p.shape[2] < q_s or p.shape[3] < kv_s:
         raise ctx.err("pse_shift", exp, p)
     return p

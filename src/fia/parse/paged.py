@@ -8,12 +8,13 @@ import numpy as np
 import torch
 
 from ..problem.layout import Layout
-from ..problem.attention import PagedKV
+from ..problem.attention import PagedKV, cache_dim
 from .context import Ctx, dtype_name
 from .tensors import QueryDims
 
 MAX_BLOCK_SIZE = 512
 MAX_3D_H = 65535
+NZ_D0 = {torch.float16: 16, torch.bfloat16: 16, torch.int8: 32}    # SPEC 8b.1: 32-byte fragments
 
 
 def cache_view(t: torch.Tensor, kv_n: int) -> torch.Tensor:
@@ -21,6 +22,8 @@ def cache_view(t: torch.Tensor, kv_n: int) -> torch.Tensor:
     canonical [NB, KV_N, bs, D] view."""
     if t.dim() == 3:
         return t.unflatten(2, (kv_n, t.shape[2] // kv_n)).permute(0, 2, 1, 3)
+    if t.dim() == 5:                                   # NZ (blocknum, KV_N, D/D0, bs, D0) -> [NB, KV_N, bs, D/D0, D0]
+        return t.permute(0, 1, 3, 2, 4)
     return t
 
 
@@ -73,12 +76,19 @@ def _cache(ctx: Ctx, name: str, t: torch.Tensor, layout: Layout, kv_n: int, dim:
             raise ctx.err(name, f"KV_N = {kv_n} heads on axis 1 of the (blocknum, KV_N, block_size, D) cache", t)
         d = t.shape[3]
         view = t
-    elif t.dim() == 5:
-        from ..errors import FiaUnsupportedError
-        raise FiaUnsupportedError(f"{ctx.n(name)}: the 5-D NZ cache (blocknum, KV_N, D/D0, block_size, D0) is a "
-                                  "later extension, not implemented", {"reference": ["NZ paged cache"]})
+    elif t.dim() == 5:                                 # NZ (blocknum, KV_N, D/D0, block_size, D0) (SPEC 8b.1)
+        d0 = NZ_D0.get(t.dtype)
+        if d0 is None:
+            raise ctx.err(name, "a 3-D or 4-D cache for dtype " + dtype_name(t.dtype) + " (5-D NZ caches are "
+                          "float16, bfloat16 or int8 only, SPEC 8b.2 d)", t)
+        if t.shape[1] != kv_n or t.shape[4] != d0:
+            raise ctx.err(name, f"an NZ cache (blocknum, KV_N, D/{d0}, block_size, {d0}) with KV_N = {kv_n} for "
+                          f"{dtype_name(t.dtype)} (D0 = 32 bytes / element size, SPEC 8b.1)", t)
+        d = t.shape[2] * d0
+        view = cache_view(t, kv_n)
     else:
-        raise ctx.err(name, "a 3-D (blocknum, block_size, H) or 4-D (blocknum, KV_N, block_size, D) cache", t)
+        raise ctx.err(name, "a 3-D (blocknum, block_size, H), 4-D (blocknum, KV_N, block_size, D) or 5-D NZ "
+                      "(blocknum, KV_N, D/D0, block_size, D0) cache", t)
     if dim is not None and d != dim:
         raise ctx.err(name, f"head dim {dim}", f"D = {d} ({tuple(t.shape)})")
     return view
@@ -102,7 +112,7 @@ def paged_kv(ctx: Ctx, layout: Layout, qd: QueryDims, b: int, key, value, key_ro
     if bs <= 0:
         raise ctx.err("block_size", "a positive block size with block_table", bs)
     if ctx.strict:
-        if bs > MAX_BLOCK_SIZE:
+        if bs > MAX_BLOCK_SIZE and not (bs == 1024 and layout.packed and qd.D != 512):   # SPEC 14b.4 T14 (1421)
             raise ctx.hw("block_size", f"at most {MAX_BLOCK_SIZE}", bs)
         align = (32 if kv_dtype == torch.int8 else 16) if decode else 128
         if bs % align:
@@ -133,4 +143,4 @@ def paged_kv(ctx: Ctx, layout: Layout, qd: QueryDims, b: int, key, value, key_ro
                       f"{int(host[i, j])} at [{i}, {j}]", "FIA range-checks block ids instead of reading out of bounds")
     # the table may live on another device than the cache (host-read, see core._HOST_ARGS): backends get it
     # beside the cache
-    return (PagedKV(kc, vc, bt.to(kc.device), bs, table_host(host), krc, used), vc.shape[3] * pack, mb * bs)
+    return (PagedKV(kc, vc, bt.to(kc.device), bs, table_host(host), krc, used), cache_dim(vc) * pack, mb * bs)

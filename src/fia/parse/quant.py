@@ -9,25 +9,28 @@ import torch
 
 from ..errors import FiaUnsupportedError
 from ..problem.attention import MaskSpec
-from ..problem.quant import AntiQuant, FullQuant, KVDequant, OutputQuant, QueryDequant
+from ..problem.quant import FP4_GROUP, AntiQuant, FullQuant, KVDequant, OutputQuant, QueryDequant
 from .context import Ctx, dtype_name
 
 COMBINED = ("antiquant_scale", "antiquant_offset")
 SEPARATE = ("key_antiquant_scale", "key_antiquant_offset", "value_antiquant_scale", "value_antiquant_offset")
 FULL = ("dequant_scale1", "quant_scale1", "dequant_scale2")
 _SEP_GRAN = {0: None, 1: "token", 2: "head", 3: "token_head", 4: "block_token", 5: "block_token_head"}
+FP4 = torch.float4_e2m1fn_x2        # FP4 E2M1 K/V, two values per byte (SPEC 10b.1)
+E8M0 = torch.float8_e8m0fnu         # their per-token-group scales
+MODE_FP4 = 6
 
 
 @dataclass(frozen=True)
 class QuantKind:
-    kv: Optional[str]        # None (float K/V) | "int8" | "int4"
+    kv: Optional[str]        # None (float K/V) | "int8" | "int4" | "fp4"
     full: bool               # int8 Q, K, V with dequant_scale1/quant_scale1/dequant_scale2 (SPEC 11)
     query_dequant: bool      # int8 query with dequant_scale_query (query_quant_mode 3)
 
     @property
     def pack(self) -> int:
-        """Stored last dim of K/V = real last dim / pack (int4 packed eight to an int32)."""
-        return 8 if self.kv == "int4" else 1
+        """Stored last dim of K/V = real last dim / pack (int4 packed eight to an int32, FP4 two to a byte)."""
+        return 8 if self.kv == "int4" else 2 if self.kv == "fp4" else 1
 
 
 def classify(ctx: Ctx, a: dict, query: torch.Tensor, kdt: torch.dtype, vdt: torch.dtype) -> QuantKind:
@@ -35,7 +38,7 @@ def classify(ctx: Ctx, a: dict, query: torch.Tensor, kdt: torch.dtype, vdt: torc
         # blame the one whose dtype no call takes with this query (a float64 key beside a float16 value is the
         # key's error, not "value: expected dtype float64"); when both are possible, the value follows the key
         ok = (torch.int8, torch.float16, torch.bfloat16) if query.dtype == torch.int8 else \
-            (query.dtype, torch.int8, torch.int32)
+            (query.dtype, torch.int8, torch.int32, FP4)
         if kdt not in ok and vdt in ok:
             raise ctx.err("key", f"dtype {dtype_name(vdt)} (the value's)", f"dtype {dtype_name(kdt)}")
         raise ctx.err("value", f"dtype {dtype_name(kdt)} (the key's)", f"dtype {dtype_name(vdt)}")
@@ -60,8 +63,11 @@ def classify(ctx: Ctx, a: dict, query: torch.Tensor, kdt: torch.dtype, vdt: torc
             return QuantKind("int8", False, False)
         if kdt == torch.int32:
             return QuantKind("int4", False, False)
-        raise ctx.err("key", f"dtype {dtype_name(query.dtype)} (the query's), int8 or int32 (packed int4)",
-                      f"dtype {dtype_name(kdt)}")
+        if kdt == FP4:
+            return QuantKind("fp4", False, False)
+        # SPEC 14b.6 F9: FLOAT16, BFLOAT16, INT8, INT4 (INT32) and FP4 only (float8 K/V included: 10b.2)
+        raise ctx.err("key", f"dtype {dtype_name(query.dtype)} (the query's), int8, int32 (packed int4) or "
+                      "float4_e2m1fn_x2 (FP4 E2M1, antiquant mode 6)", f"dtype {dtype_name(kdt)}")
     # int8 query
     if dsq is not None:
         if qmode != 3:
@@ -117,13 +123,33 @@ def full_quant(ctx: Ctx, a: dict, *, decode: bool) -> FullQuant:
                      _per_tensor_float(ctx, "dequant_scale2", a.get("dequant_scale2"), uint64_ok=True))
 
 
-def query_dequant(ctx: Ctx, a: dict, b: int, n: int, q_s: int) -> QueryDequant:
+def query_dequant(ctx: Ctx, a: dict, b: int, n: int, q_s: int, inp: str = "BNSD",
+                  q_off: Optional[tuple] = None) -> QueryDequant:
+    """The (B, Q_N, Q_S) view of dequant_scale_query. Accepted shapes (SPEC 11, 10b.3): (B, Q_N, Q_S) for every
+    padded layout (read that way when both match: Q_S = Q_N; for Q_S = 1 they are the same numbers); token-major
+    as clients pass it: (B, Q_S, Q_N) for BSH / BSND queries, (T, Q_N) or (T, Q_N, 1) for TND / NTD queries (q_off: the cumulative query offsets; gathered per batch
+    into (B, Q_N, Q_S), a small copy)."""
     t = ctx.tensor("dequant_scale_query", a.get("dequant_scale_query"))
     if t.dtype != torch.float32:
         raise ctx.err("dequant_scale_query", "dtype float32", f"dtype {dtype_name(t.dtype)}")
-    if t.dim() != 3 or t.shape[0] != b or t.shape[1] != n or t.shape[2] < q_s:
-        raise ctx.err("dequant_scale_query", f"shape (B, Q_N, Q_S) = ({b}, {n}, {q_s})", t)
-    return QueryDequant(t)
+    if q_off is not None:                              # packed: (T, Q_N) / (T, Q_N, 1), token-major
+        T = q_off[-1]
+        if t.dim() in (2, 3) and t.shape[0] >= T and t.shape[1] == n and (t.dim() == 2 or t.shape[2] == 1):
+            tm = t.reshape(t.shape[0], n)
+            idx = (torch.tensor(q_off[:-1], dtype=torch.long)[:, None] + torch.arange(q_s)).clamp_(
+                max=max(t.shape[0] - 1, 0)).to(t.device)                          # [B, Q_S]
+            return QueryDequant(tm[idx].permute(0, 2, 1) if t.shape[0] else t.new_zeros((b, n, q_s)))
+    if t.dim() == 3 and t.shape[0] == b:
+        if t.shape[1] == n and t.shape[2] >= q_s:
+            return QueryDequant(t)
+        if inp in ("BSH", "BSND") and t.shape[2] == n and t.shape[1] >= q_s:
+            return QueryDequant(t.permute(0, 2, 1))   # (B, Q_S, Q_N) token-major -> (B, Q_N, Q_S) view
+    exp = f"shape (B, Q_N, Q_S) = ({b}, {n}, {q_s})"
+    if q_off is not None:
+        exp += f" or (T, Q_N) / (T, Q_N, 1) = ({q_off[-1]}, {n}) for {inp} (token-major)"
+    elif inp in ("BSH", "BSND"):
+        exp += f" or (B, Q_S, Q_N) = ({b}, {q_s}, {n}) (token-major)"
+    raise ctx.err("dequant_scale_query", exp, t)
 
 
 # ---------------------------------------------------------------------------------------------- KV dequant
@@ -180,7 +206,7 @@ def _normalize(ctx: Ctx, name: str, t: torch.Tensor, gran: Optional[str], e: KVE
         None: f"per-tensor (1,) or per-channel (1, KV_N, 1, D), (1, KV_N, D), (1, H), (KV_N, D), (KV_N, 1, D), "
               f"(H,) with KV_N = {kv_n}, D = {d}",
         "head": f"(KV_N,) = ({kv_n},)",
-        "token": f"(1, B, KV_S) or (B, KV_S) with B = {e.b} (or 1) and KV_S >= {e.tokens}",
+        "token": f"(1, B, KV_S) or (B, KV_S) with B = {e.b}{'' if e.b == 1 else ' (or 1)'} and KV_S >= {e.tokens}",
         "token_head": f"(B or 1, KV_N, KV_S) with B = {e.b}, KV_N = {kv_n}, KV_S >= {e.tokens}",
         "block_token": f"(blocknum, block_size) = {e.paged_blocks} (needs block_table)",
         "block_token_head": "(blocknum, KV_N, block_size) = " + (f"({e.paged_blocks[0]}, {kv_n}, "
@@ -202,11 +228,12 @@ def _offset(ctx: Ctx, name: str, off, scale_name: str, scale_raw: torch.Tensor, 
 
 
 def antiquant(ctx: Ctx, a: dict, kind: QuantKind, q_dtype: torch.dtype, e: KVExtent, *, decode: bool,
-              q_s: int, is_list: bool, left_padded: bool, paged: bool, has_prefix: bool) -> AntiQuant:
+              q_s: int, is_list: bool, left_padded: bool, paged: bool, has_prefix: bool,
+              nz: bool = False) -> AntiQuant:
     sep = any(a.get(n) is not None for n in SEPARATE)
     if sep:
         aq = _separate(ctx, a, kind, q_dtype, e, decode=decode, q_s=q_s, is_list=is_list, left_padded=left_padded,
-                       paged=paged)
+                       paged=paged, nz=nz)
     else:
         aq = _combined(ctx, a, kind, q_dtype, e, decode=decode)
     if has_prefix and (aq.key.per_token or aq.value.per_token):
@@ -226,13 +253,16 @@ def _combined(ctx: Ctx, a: dict, kind: QuantKind, q_dtype, e: KVExtent, *, decod
     mode = ctx.integer("antiquant_mode", a.get("antiquant_mode", 0))
     sc = ctx.tensor("antiquant_scale", a.get("antiquant_scale"))
     if sc is None:
-        raise ctx.err("antiquant_scale", "dequantization scales for int8/int4 key and value (antiquant_scale or "
+        raise ctx.err("antiquant_scale", "dequantization scales for int8/int4/FP4 key and value (antiquant_scale or "
                       "key_antiquant_scale + value_antiquant_scale)", "None")
     if kind.kv == "int4":
         raise ctx.err("antiquant_scale", "the separate key_/value_antiquant_scale parameters for int4 key/value "
                       "(int4 supports only separate modes 0, 1, 3 and key 0 + value 1)", sc)
     if mode not in (0, 1):
         raise ctx.err("antiquant_mode", "0 (per-tensor/per-channel) or 1 (per-token)", mode)
+    if kind.kv == "fp4":         # SPEC 14b.6 F4 / F8: FP4 needs mode 6, which the combined set does not take
+        raise ctx.err("antiquant_scale", "the separate key_/value_antiquant_scale parameters with key/value "
+                      "antiquant mode 6 for FP4 key/value (the combined antiquant_mode takes only 0 and 1)", sc)
     if mode == 1 and not decode:
         raise ctx.err("antiquant_mode", "0 unless Q_S = 1 (per-token combined dequantization is decode only)", mode)
     if not decode and ctx.strict and q_dtype != torch.float16:
@@ -250,7 +280,7 @@ def _combined(ctx: Ctx, a: dict, kind: QuantKind, q_dtype, e: KVExtent, *, decod
 
 
 def _separate(ctx: Ctx, a: dict, kind: QuantKind, q_dtype, e: KVExtent, *, decode: bool, q_s: int,
-              is_list: bool, left_padded: bool, paged: bool) -> AntiQuant:
+              is_list: bool, left_padded: bool, paged: bool, nz: bool = False) -> AntiQuant:
     ks, vs = a.get("key_antiquant_scale"), a.get("value_antiquant_scale")
     ko, vo = a.get("key_antiquant_offset"), a.get("value_antiquant_offset")
     if ks is None or vs is None:
@@ -262,11 +292,10 @@ def _separate(ctx: Ctx, a: dict, kind: QuantKind, q_dtype, e: KVExtent, *, decod
     km = ctx.integer("key_antiquant_mode", a.get("key_antiquant_mode", 0))
     vm = ctx.integer("value_antiquant_mode", a.get("value_antiquant_mode", 0))
     for name, m in (("key_antiquant_mode", km), ("value_antiquant_mode", vm)):
-        if m == 6:
-            raise FiaUnsupportedError(f"{ctx.n(name)}: mode 6 (per-token-group FP8-E8M0 scales for FP4 K/V) is "
-                                      "not implemented", {"reference": ["antiquant mode 6"]})
-        if m not in _SEP_GRAN:
-            raise ctx.err(name, "0..5", m)
+        if m not in _SEP_GRAN and m != MODE_FP4:
+            raise ctx.err(name, "0..6", m)
+    if kind.kv == "fp4" or MODE_FP4 in (km, vm):
+        return _mode6(ctx, a, kind, e, km, vm, decode=decode, paged=paged)
     if km != vm and not (km == 0 and vm == 1):
         raise ctx.err("value_antiquant_mode", f"{km} like key_antiquant_mode (the only mixed pair is key 0 + "
                       "value 1)", vm)
@@ -284,7 +313,7 @@ def _separate(ctx: Ctx, a: dict, kind: QuantKind, q_dtype, e: KVExtent, *, decod
                 raise ctx.hw("query", "dtype bfloat16 with separate key/value dequantization and Q_S > 1",
                              f"dtype {dtype_name(q_dtype)}")
         for bad, what in ((is_list, "tensor-list key/value"), (left_padded, "left padding"),
-                          (paged, "block_table (paged KV)")):
+                          (paged and not nz, "block_table (paged KV)")):   # NZ: SPEC 8b.2 (a), 10b.3
             if bad and ctx.strict:
                 raise ctx.hw("key_antiquant_scale", f"no {what} with separate dequantization and Q_S > 1",
                              what)
@@ -296,6 +325,54 @@ def _separate(ctx: Ctx, a: dict, kind: QuantKind, q_dtype, e: KVExtent, *, decod
         raise ctx.hw("query", "dtype float16 for key per-channel + value per-token with int8 key/value",
                      f"dtype {dtype_name(q_dtype)}")
     return AntiQuant(key, value, kind.kv == "int4")
+
+
+def _mode6(ctx: Ctx, a: dict, kind: QuantKind, e: KVExtent, km: int, vm: int, *, decode: bool,
+           paged: bool) -> AntiQuant:
+    """Antiquant mode 6 (SPEC 10b.1): FP4 E2M1 key/value, per-token-group FLOAT8_E8M0 scales
+    (1, B, KV_N, S, D/32) or (B, KV_N, S, D/32), no offsets, decode only; the strict rules F1-F8 (SPEC 14b.6)."""
+    fp4 = kind.kv == "fp4"
+    if fp4 and km != MODE_FP4:      # F4: per-tensor / per-channel / per-token modes are INT8 / INT4 only
+        raise ctx.err("key_antiquant_mode", "6 (per-token-group FLOAT8_E8M0 scales) with FP4 (float4_e2m1fn_x2) "
+                      "key/value", km)
+    if km != vm:                    # F5
+        raise ctx.err("value_antiquant_mode", f"{km} like key_antiquant_mode (mode 6 pairs only with mode 6)", vm)
+    if not decode:                  # F6
+        raise ctx.err("query", "Q_S = 1 with antiquant mode 6 (per-token-group dequantization is decode only)",
+                      "Q_S > 1")
+    for which in ("key", "value"):  # F3
+        sc = ctx.tensor(f"{which}_antiquant_scale", a[f"{which}_antiquant_scale"])
+        if sc.dtype != E8M0:
+            raise ctx.err(f"{which}_antiquant_scale", "dtype float8_e8m0fnu (FLOAT8_E8M0) with antiquant mode 6",
+                          f"dtype {dtype_name(sc.dtype)}")
+    for which in ("key", "value"):  # F2
+        off = a.get(f"{which}_antiquant_offset")
+        if off is not None:
+            raise ctx.err(f"{which}_antiquant_offset", "None with antiquant mode 6 (no offset)", off)
+    if not fp4:                     # F1
+        raise ctx.err("key", "dtype float4_e2m1fn_x2 (FP4 E2M1) key/value with antiquant mode 6",
+                      f"dtype {dtype_name(a['key'][0].dtype if isinstance(a['key'], (list, tuple)) else a['key'].dtype)}")
+    if a.get("quant_scale2") is not None:
+        raise ctx.err("quant_scale2", "None with FP4 key/value (antiquant mode 6: the output has the query dtype)",
+                      a["quant_scale2"])
+    views = []
+    for which, d in (("key", e.d), ("value", e.dv)):
+        if d % FP4_GROUP:
+            raise ctx.err(which, f"a head dim D divisible by {FP4_GROUP} with FP4 key/value (one FLOAT8_E8M0 scale per "
+                          f"{FP4_GROUP} channels)", f"D = {d}")
+        if ctx.strict and d % 64:
+            raise ctx.hw(which, "a head dim D % 64 == 0 with FP4 key/value", f"D = {d}")
+        name = f"{which}_antiquant_scale"
+        sc = a[name]
+        core = tuple(sc.shape[1:]) if sc.dim() == 5 and sc.shape[0] == 1 else tuple(sc.shape)
+        if len(core) != 4 or core[0] != e.b or core[1] != e.kv_n or core[2] < e.tokens or core[3] != d // FP4_GROUP:
+            what = "block_table.shape[1] x block_size" if paged else "KV_S"
+            raise ctx.err(name, f"shape (1, B, KV_N, S, D/32) or (B, KV_N, S, D/32) with B = {e.b}, KV_N = {e.kv_n}, "
+                          f"S >= {what} = {e.tokens}, D/32 = {d // FP4_GROUP}", sc)
+        views.append(sc.reshape(core))
+    if paged and ctx.strict and e.paged_blocks[1] % 64:
+        raise ctx.hw("block_size", "a multiple of 64 with FP4 key/value", e.paged_blocks[1])
+    return AntiQuant(KVDequant("token_group", views[0]), KVDequant("token_group", views[1]))
 
 
 def _one(ctx: Ctx, which: str, sc, off, gran, q_dtype, e: KVExtent, d: int) -> KVDequant:

@@ -1,7 +1,7 @@
 """Sequence features: left padding (SPEC 4), shared prefix (SPEC 7), MLA rope (SPEC 9)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -13,17 +13,22 @@ from .tensors import QueryDims, heads_and_dim
 ROPE_D = 64
 
 
-def padding_size(ctx: Ctx, name: str, x) -> Optional[int]:
-    """query_padding_size / kv_padding_size: a one-element integer tensor; negative counts as 0."""
+def padding_size(ctx: Ctx, name: str, x, b: int) -> Optional[Tuple[int, ...]]:
+    """query_padding_size / kv_padding_size -> one left padding per batch (B entries), negative counting as 0:
+    an integer tensor of one element (every batch) or of B elements (shape (B), per batch: FusedInferAttention-
+    ScoreV4's table), or a Python int."""
     if x is None:
         return None
     if isinstance(x, torch.Tensor):
-        if x.numel() != 1 or x.dtype not in (torch.int64, torch.int32):
-            raise ctx.err(name, "a one-element int64 tensor", x)
-        v = int(ctx.host(name, x).reshape(-1)[0].item())
+        if x.dtype not in (torch.int64, torch.int32) or (x.numel() != 1 and (x.dim() != 1 or x.numel() != b)):
+            exp = "a one-element int64 tensor" + ("" if b == 1 else f" or one of shape (B,) = ({b},)")
+            raise ctx.err(name, exp, x)
+        vals = [int(v) for v in ctx.host(name, x).reshape(-1).tolist()]
+        if len(vals) == 1:
+            vals = vals * b
     else:
-        v = ctx.integer(name, x)
-    return max(v, 0)
+        vals = [ctx.integer(name, x)] * b
+    return tuple(max(v, 0) for v in vals)
 
 
 def left_window(total: int, pad: int, act: int):

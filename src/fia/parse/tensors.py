@@ -122,14 +122,14 @@ def dense_kv(ctx: Ctx, layout: Layout, qd: QueryDims, key: torch.Tensor, value: 
              key_rope: Optional[torch.Tensor], *, allow_dv_differs: bool, pack: int = 1):
     """Dense / packed KV. Returns (storage, real Dv, per-batch physical KV lengths or None for packed).
 
-    pack: 8 for int4 packed in int32 (stored last dim = real / 8)."""
+    pack: 8 for int4 packed in int32 (stored last dim = real / 8), 2 for FP4 (two values a byte)."""
     kv_n, d = qd.KV_N, qd.D
     for name, t in (("key", key), ("value", value)):
         if t.dim() != layout.rank:
             raise ctx.err(name, f"a {layout.rank}-D tensor for input_layout {layout.name}", t)
     _, kd = heads_and_dim(ctx, layout, key, kv_n, "key", "num_key_value_heads")
     if kd * pack != d:
-        raise ctx.err("key", f"head dim D = {d // pack} (the query's D = {d}" + (" / 8 for int4)" if pack > 1 else ")"),
+        raise ctx.err("key", f"head dim D = {d // pack} (the query's D = {d}" + (f" / {pack} for {'int4' if pack == 8 else 'FP4'})" if pack > 1 else ")"),
                       f"D = {kd} ({tuple(key.shape)})", _bsh_hint(ctx, layout, qd))
     vd = _value_dim(ctx, layout, value, kv_n) * pack
     if key.shape[:-1] != value.shape[:-1] or (vd != d and not allow_dv_differs) \
@@ -180,7 +180,8 @@ def list_kv(ctx: Ctx, layout: Layout, qd: QueryDims, keys: tuple, values: tuple,
         _, kd = heads_and_dim(ctx, layout, k, qd.KV_N, "key", "num_key_value_heads")
         if kd * pack != qd.D:
             raise ctx.err("key", f"head dim D = {qd.D // pack} in every list element (the query's D = {qd.D}" +
-                          (" / 8: int32 key/value hold packed int4)" if pack > 1 else ")"), f"element {i}: D = {kd}",
+                          ((" / 8: int32 key/value hold packed int4)" if pack == 8 else f" / {pack}: FP4 key/value hold two values a byte)")
+                           if pack > 1 else ")"), f"element {i}: D = {kd}",
                           _bsh_hint(ctx, layout, qd))
         if k.shape != v.shape:
             raise ctx.err("value", f"element {i} shaped like key {tuple(k.shape)}", v)

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 from ..errors import FiaUnsupportedError
 
-# argument -> feature it belongs to
-_LATER = {
-    "key_rope_antiquant_scale": "MLA rope dequantization (NZ / int8 rope caches)",
-}
+# argument -> feature it belongs to (none now: key_rope_antiquant_scale is reserved, an input error unless None --
+# parse/core.py RESERVED_TENSORS, DECISIONS 39)
+_LATER: dict = {}
 
 
 def reject_unimplemented(ctx, args: dict, implemented: frozenset = frozenset()) -> None:

@@ -124,7 +124,8 @@ class ListKV:
 @dataclass(frozen=True)
 class PagedKV:
     """Paged cache: key [NB, KV_N, bs, D], value [NB, KV_N, bs, Dv] (canonical views of either cache
-    layout); block_table [B, MB] (int); token p of batch b lives in block table[b, p // bs], slot p % bs.
+    layout; NZ caches: [NB, KV_N, bs, D/D0, D0], see `nz`); block_table [B, MB] (int); token p of batch b lives in block
+    table[b, p // bs], slot p % bs.
     table_host: the same table as Python ints (planning never syncs with a device)."""
     key: torch.Tensor
     value: torch.Tensor
@@ -135,26 +136,37 @@ class PagedKV:
     blocks_used: Tuple[int, ...] = ()   # table columns in use per batch (range-checked; parse/paged.py)
     kind: str = field(default="paged", init=False)
 
+    @property
+    def nz(self) -> bool:
+        """5-D NZ caches (SPEC 8b): key / value / key_rope are [NB, KV_N, bs, D/D0, D0] views (no copy) of the
+        (blocknum, KV_N, D/D0, block_size, D0) tensors; a token's D values are D/D0 fragments of D0."""
+        return self.key.dim() == 5
+
     def rows(self, b: int, g: BatchGeometry, lo: int, hi: int):
         """Gathers only the blocks holding positions [lo, hi) of batch b (never the whole pool)."""
         bs = self.block_size
         if hi <= lo:
             e = self.key.new_empty
             kr = None if self.key_rope is None else self.key_rope.new_empty(
-                (self.key_rope.shape[1], 0, self.key_rope.shape[3]))
-            return (e((self.key.shape[1], 0, self.key.shape[3])),
-                    self.value.new_empty((self.value.shape[1], 0, self.value.shape[3])), kr)
+                (self.key_rope.shape[1], 0, cache_dim(self.key_rope)))
+            return (e((self.key.shape[1], 0, cache_dim(self.key))),
+                    self.value.new_empty((self.value.shape[1], 0, cache_dim(self.value))), kr)
         first, last = lo // bs, (hi - 1) // bs
         ids = torch.tensor(self.table_host[b][first:last + 1], dtype=torch.long, device=self.key.device)
         off = lo - first * bs
 
-        def gather(cache):  # [NB, KV_N, bs, D] -> [KV_N, hi - lo, D]
-            blocks = cache.index_select(0, ids)                          # [nb, KV_N, bs, D]
-            flat = blocks.permute(1, 0, 2, 3).reshape(cache.shape[1], -1, cache.shape[3])
+        def gather(cache):  # [NB, KV_N, bs, D] (NZ: [NB, KV_N, bs, D/D0, D0]) -> [KV_N, hi - lo, D]
+            blocks = cache.index_select(0, ids)                          # [nb, KV_N, bs, D] (NZ: D/D0, D0)
+            flat = blocks.permute(1, 0, 2, *range(3, blocks.dim())).reshape(cache.shape[1], -1, cache_dim(cache))
             return flat[:, off:off + hi - lo]
 
         kr = None if self.key_rope is None else gather(self.key_rope)
         return gather(self.key), gather(self.value), kr
+
+
+def cache_dim(t: torch.Tensor) -> int:
+    """Head dim of a paged cache view: [NB, KV_N, bs, D], or NZ [NB, KV_N, bs, D/D0, D0] (SPEC 8b)."""
+    return t.shape[3] * t.shape[4] if t.dim() == 5 else t.shape[3]
 
 
 KVStorage = Union[DenseKV, PackedKV, ListKV, PagedKV]

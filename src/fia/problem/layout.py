@@ -45,6 +45,10 @@ LAYOUTS = {
     "TND": Layout("TND", "TND", "TND"),
     "TND_NTD": Layout("TND_NTD", "TND", "NTD"),
     "NTD_TND": Layout("NTD_TND", "NTD", "TND"),
+    # torch_npu's MLA layouts (its v2 document's MLA section; op-plugin's layout table)
+    "NTD": Layout("NTD", "NTD", "NTD"),
+    "BSH_BNSD": Layout("BSH_BNSD", "BSH", "BNSD"),
+    "BSND_BNSD": Layout("BSND_BNSD", "BSND", "BNSD"),
 }
 
 

@@ -9,6 +9,10 @@ granularities below. Normalized parameter shapes (float tensors, device of the c
   token_head        [Bs, KV_N, S]       per position and head
   block_token       [NB, bs]            per token, stored by paged block
   block_token_head  [NB, KV_N, bs]      per token and head, stored by paged block
+  token_group       [B, KV_N, S, D/32]  antiquant mode 6 (SPEC 10b.1): FP4 E2M1 codes (torch.float4_e2m1fn_x2,
+                                        two per byte, low nibble first) times FLOAT8_E8M0 scales
+                                        (torch.float8_e8m0fnu) per token, head and group of 32 channels; no
+                                        offset; dense: physical position, paged: logical position
 """
 from __future__ import annotations
 
@@ -17,7 +21,25 @@ from typing import Optional
 
 import torch
 
-TOKEN_GRANULARITIES = ("token", "token_head", "block_token", "block_token_head")
+TOKEN_GRANULARITIES = ("token", "token_head", "block_token", "block_token_head", "token_group")
+FP4_GROUP = 32              # channels per E8M0 scale (SPEC 10b.1, the OCP MX block)
+# E2M1 (OCP MX v1.0 5.3.3): bit 3 sign, bits 2-1 exponent (bias 1), bit 0 mantissa; codes 8-15 negate 0-7
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def decode_fp4(x: torch.Tensor, dtype) -> torch.Tensor:
+    """FP4 E2M1 [..., D/2] (float4_e2m1fn_x2, or its uint8 bytes) -> dtype [..., D]: element 2k is the low nibble
+    of byte k, element 2k + 1 the high one (SPEC 10b.1; torch cannot convert FP4 itself)."""
+    b = x.view(torch.uint8) if x.dtype != torch.uint8 else x
+    codes = torch.stack((b & 0xF, b >> 4), dim=-1).reshape(*b.shape[:-1], b.shape[-1] * 2)
+    return torch.tensor(E2M1_VALUES, dtype=dtype, device=x.device)[codes.long()]
+
+
+def dequant_fp4(x: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:
+    """x [..., D/2] FP4 codes, scale [..., D/32] float8_e8m0fnu (2^(bits - 127), 0xFF = NaN) -> dtype [..., D]."""
+    v = decode_fp4(x, dtype)
+    s = scale.to(dtype)
+    return (v.unflatten(-1, (s.shape[-1], FP4_GROUP)) * s[..., None]).flatten(-2)
 
 
 def unpack_int4(x: torch.Tensor) -> torch.Tensor:
@@ -56,6 +78,8 @@ class KVDequant:
                 return t[bi, lo:hi][None, :, None]                     # [1, n, 1]
             if g == "token_head":
                 return t[bi, :, lo:hi][:, :, None]                     # [KV_N, n, 1]
+            if g == "token_group":
+                return t[b, :, lo:hi]                                  # [KV_N, n, D/32] (E8M0)
             pos = torch.arange(lo, hi)
             blk = torch.tensor([table[b][p // block_size] for p in range(lo, hi)], dtype=torch.long,
                                device=t.device)
@@ -68,8 +92,10 @@ class KVDequant:
         return pick(self.scale), pick(self.offset)
 
     def apply(self, x: torch.Tensor, dtype, b: int, lo: int, hi: int, table=None, block_size: int = 0):
-        """Dequantize x [KV_N, n, D] (int8) holding own keys [lo, hi) of batch b."""
+        """Dequantize x [KV_N, n, D] (int8; FP4: [KV_N, n, D/2]) holding own keys [lo, hi) of batch b."""
         s, o = self.factors(b, lo, hi, table, block_size)
+        if self.granularity == "token_group":                 # FP4 codes x per-group E8M0 scales (SPEC 10b.1)
+            return dequant_fp4(x, s, dtype)
         x = x.to(dtype)
         if o is not None:
             x = x + o.to(dtype)

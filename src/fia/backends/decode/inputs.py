@@ -61,8 +61,9 @@ def _addr(t: Optional[torch.Tensor]):
     return t.data_ptr(), n * t.element_size()
 
 
-KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3, torch.int32: 4}
-KIND_BYTES = {0: 4.0, 1: 2.0, 2: 2.0, 3: 1.0, 4: 0.5}     # bytes per element of a kind (int4: 8 per int32)
+KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3, torch.int32: 4,
+         torch.float4_e2m1fn_x2: 6}                       # 6: kernels.KIND_FP4 (two E2M1 values a byte)
+KIND_BYTES = {0: 4.0, 1: 2.0, 2: 2.0, 3: 1.0, 4: 0.5, 6: 0.5}   # bytes per value of a kind (int4: 8 per int32)
 FUSED_KIND = {1: True, 2: True, 3: True}                  # bf16, fp16, int8: fused QK / PV kernels
 
 
@@ -234,7 +235,10 @@ class _Tokens:
             sc, off = sc.contiguous(), off.contiguous()
         self.scale, self.offset, self.gran = sc, off, spec.granularity
         self.mode = 2 if off is not None else 1
-        if self.gran in ("token", "token_head"):          # [Bs, S] / [Bs, KV_N, S]: logical position p
+        if self.gran == "token_group":                    # [B, KV_N, S, D/32] E8M0 of FP4 K / V (kernels.KIND_FP4):
+            self.scale = _whole_words(sc)                 # read as bytes of a float32 buffer (kernels.buf_f32)
+            self.tbl = np.arange(B, dtype=np.int64)[:, None].copy()
+        elif self.gran in ("token", "token_head"):          # [Bs, S] / [Bs, KV_N, S]: logical position p
             bsel = np.arange(B, dtype=np.int64) if sc.shape[0] > 1 else np.zeros(B, np.int64)
             self.tbl = bsel[:, None].copy()
         else:                                             # [NB, bs] / [NB, KV_N, bs]: by paged block
@@ -245,7 +249,20 @@ class _Tokens:
         if not self.mode:
             return _NO_TOKEN_INTS
         st = self.scale.stride()
+        if self.gran == "token_group":                    # (the group axis has stride 1: _whole_words)
+            return self.mode, self.bs, st[0], st[1], st[2]
         return self.mode, self.bs, st[0], (st[1] if self.gran in ("token_head", "block_token_head") else 0), st[-1]
+
+
+def _whole_words(sc: torch.Tensor) -> torch.Tensor:
+    """E8M0 group scales the kernels read in place when their groups are contiguous and their span is whole
+    float32 words (kernels.buf_f32 cuts a buffer to those); else a copy inside a buffer that is."""
+    if sc.stride(-1) == 1 and _addr(sc)[1] % 4 == 0:
+        return sc
+    buf = torch.empty(sc.numel() + 4, dtype=torch.uint8)
+    out = buf[:sc.numel()].view(sc.shape)
+    out.copy_(sc.view(torch.uint8))
+    return out.view(sc.dtype)
 
 
 _NO_TOKENS = _Tokens()
@@ -310,6 +327,9 @@ class Source:
         if self.vtok.mode:
             bufs[0, K.BUF_VTS], bufs[1, K.BUF_VTS] = _addr(self.vtok.scale)
             bufs[0, K.BUF_VTO], bufs[1, K.BUF_VTO] = _addr(self.vtok.offset)
+        for tok, slot in ((self.ktok, K.BUF_KTS), (self.vtok, K.BUF_VTS)):
+            if tok.gran == "token_group":                 # whole float32 words (_whole_words' copies hold them)
+                bufs[1, slot] = -(-int(bufs[1, slot]) // 4) * 4
 
 
 def _sources(p: AttentionProblem):

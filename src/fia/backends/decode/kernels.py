@@ -47,6 +47,11 @@ from ...cpu.simd import (HAS_DP, KIND_BF16, KIND_F32, KIND_FP16, KIND_I4, KIND_I
     max_f32, pv_dp, qk_dp, target_has)
 from ...cpu.vnni import HAS_VNNI, I8_DOT, QK_MAX_D, pv_i8, qk_i8  # noqa: F401 - I8_DOT for fia.explain
 
+# FP4 E2M1 K / V (antiquant mode 6, SPEC 10b.1): two values a byte, low nibble first, decoded per row by fp4_rows
+# with their per-token-group FLOAT8_E8M0 scales (which travel in the per-token slots: IP_KT_* / BUF_KTS, IP_VT_* /
+# BUF_VTS, one byte per 32 channels); the generic loops run them (cpu.fma.KIND_BF16_EO is 5)
+KIND_FP4 = 6
+
 # Numba's cache of these kernels also follows the files whose code they embed (cpu/kernel_cache.py)
 kernel_cache.install()
 
@@ -375,6 +380,47 @@ def load_rows(b8, b16, b32, bf, offs, nr, kind, dst, d0, n):
                 dst[c, d0_ + d] = bf[o + d]
 
 
+@njit(fastmath=FM, cache=True, inline="always")
+def e2m1_to_f32(c):
+    """FP4 E2M1 code (0..15; bit 3 sign, bits 2-1 exponent with bias 1, bit 0 mantissa) -> float32, by its bits:
+    magnitude code m >= 2 is exponent (m >> 1) + 126 with mantissa bit m & 1, i.e. (m + 252) << 22; 1 is 0.5."""
+    m = c & np.uint32(7)
+    mag = np.uint32(0) if m == 0 else (np.uint32(252 << 22) if m == 1 else (m + np.uint32(252)) << np.uint32(22))
+    return _u32_as_f32(((c & np.uint32(8)) << np.uint32(28)) | mag)
+
+
+@njit(fastmath=FM, cache=True, inline="always")
+def e8m0_to_f32(e):
+    """FLOAT8_E8M0 byte -> 2^(e - 127) as float32 (0 -> 2^-127, a subnormal; 0xFF -> NaN)."""
+    u = np.uint32(e)
+    return _u32_as_f32(np.uint32(0x00400000) if u == 0 else (np.uint32(0x7FC00000) if u == 255 else u << np.uint32(23)))
+
+
+@njit(fastmath=FM, cache=True)
+def fp4_rows(b8, offs, nr, sc8, soffs, dst, n, rows):
+    """Row c < nr of dst (bf16 bits, rows n apart) = e2m1(value) * 2^(E - 127) for the n FP4 values at byte offset
+    offs[c] of b8 (value 2k in the low, 2k + 1 in the high nibble of byte k) and their E8M0 exponents E, one per 32
+    values, at byte offset soffs[c] of sc8 (SPEC 10b.1); rows[c] = its element offset (for qk_fma / pv_fma). Exact in
+    bf16: the float32 product has at most two significant bits (0, NaN and inf included). Unsigned indices, as
+    load_rows."""
+    ng = np.uint64(n // 32)
+    for c in range(nr):
+        o = np.uint64(offs[c])
+        so = np.uint64(soffs[c])
+        base = np.uint64(c) * np.uint64(n)
+        for gi in range(ng):
+            f = e8m0_to_f32(sc8[so + gi])
+            ob = o + gi * np.uint64(16)
+            d0 = base + gi * np.uint64(32)
+            for k in range(np.uint64(16)):
+                x = np.uint32(b8[ob + k])
+                lo = _f32_as_u32(e2m1_to_f32(x & np.uint32(15)) * f)
+                hi = _f32_as_u32(e2m1_to_f32(x >> np.uint32(4)) * f)
+                dst[d0 + np.uint64(2) * k] = np.uint16(lo >> np.uint32(16))
+                dst[d0 + np.uint64(2) * k + np.uint64(1)] = np.uint16(hi >> np.uint32(16))
+        rows[c] = np.int64(base)
+
+
 # ---------------------------------------------------------------------------------------------- QK / PV
 @njit(fastmath=FM, cache=True)
 def qk_block(q, kf, s, R, n, dq):
@@ -604,6 +650,8 @@ def elem_layout(kind, d):
         return 1, d
     if kind == KIND_I4:
         return 4, d // 8
+    if kind == KIND_FP4:
+        return 1, d // 2
     return 2, d
 
 
@@ -1096,8 +1144,12 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
         v_es += PF_AHEAD * min(63, max(1, AHEAD_BYTES // ((k_es & 255) * k_row)))
     if (kf_ & KF_AHEAD_V) != 0:                        # PV's own V rows ahead
         k_es += PF_AHEAD * min(63, max(1, AHEAD_BYTES // ((v_es & 255) * v_row)))
-    kt_mode = ip[IP_KT_MODE]
-    vt_mode = ip[IP_VT_MODE]
+    kt_mode = ip[IP_KT_MODE] if k_kind != KIND_FP4 else 0   # FP4: the KT / VT slots hold the group scales
+    vt_mode = ip[IP_VT_MODE] if v_kind != KIND_FP4 else 0   # (applied by fp4_rows, not per token)
+    kgs = kts.view(np.uint8)
+    vgs = vts.view(np.uint8)
+    kf16 = kf.reshape(kf.size).view(np.uint16)            # FP4 chunks decoded to bf16 (fp4_rows) for qk_fma / pv_fma
+    vf16 = vf.reshape(vf.size).view(np.uint16)
     pse_kind = ip[IP_PSE_KIND]            # -1: no pse
     has_mask = ip[IP_MASK]
     has_band = ip[IP_BAND]
@@ -1299,6 +1351,12 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
                     qk_fused(qv, views(kbuf)[1].view(np.int16), k_kind, koff, n, s, R, D)
                 elif Dr == 0 and k_kind == KIND_I8:
                     qk_fused(qv, views(kbuf)[0], k_kind, koff, n, s, R, D)
+                elif k_kind == KIND_FP4:     # the chunk as bf16 (knext: group scales, then rows), then qk_fma
+                    row_offsets(kt_tbl, i, c0, n, ip[IP_KT_BS], ip[IP_KT_BLK], h * ip[IP_KT_H], ip[IP_KT_S], knext)
+                    fp4_rows(kbuf, koff, n, kgs, knext, kf16, D, knext)
+                    qk_fma(qv.ctypes.data, qv.shape[1] * 4, kf16.ctypes.data, KIND_BF16, knext.ctypes.data, n,
+                           s.ctypes.data, s.shape[1], R, D, vbuf.ctypes.data, voff.ctypes.data, n if pf else 0, v_row,
+                           v_es)
                 else:
                     k8, k16, k32, kfl = views(kbuf)
                     load_rows(k8, k16, k32, kfl, koff, n, k_kind, kf, 0, D)
@@ -1403,6 +1461,11 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
                     pv_fused(s, views(vbuf)[1].view(np.int16), v_kind, voff, n, tacc, R, Dv)
                 elif v_kind == KIND_I8:
                     pv_fused(s, views(vbuf)[0], v_kind, voff, n, tacc, R, Dv)
+                elif v_kind == KIND_FP4:     # as K (roff: unused without rope, which FP4 never has)
+                    row_offsets(vt_tbl, i, c0, n, ip[IP_VT_BS], ip[IP_VT_BLK], h * ip[IP_VT_H], ip[IP_VT_S], roff)
+                    fp4_rows(vbuf, voff, n, vgs, roff, vf16, Dv, roff)
+                    pv_fma(s.ctypes.data, s.shape[1] * 4, vf16.ctypes.data, KIND_BF16, roff.ctypes.data, n,
+                           tacc.ctypes.data, Dv, R, Dv, kbuf.ctypes.data, knext.ctypes.data, 0, k_row, k_es)
                 else:
                     v8, v16, v32, vfl = views(vbuf)
                     load_rows(v8, v16, v32, vfl, voff, n, v_kind, vf, 0, Dv)

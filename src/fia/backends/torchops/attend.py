@@ -160,7 +160,7 @@ def _online(p: AttentionProblem, grp: Group, q: torch.Tensor, reader, tiling: Ti
                 row = rows[rb]
                 s, pad, _ = _scores(p, grp, qbs[rb], k, r0, r1, c0, c1, st, True)
                 ms = row.m.masked_fill(row.m == _NEG_INF, 0.0) if pad else row.m
-                pv = _pv_int8(p, s.sub_(ms[..., None]).exp_(), row.l, v, kv_n)
+                pv = _pv_int8(p, s.sub_(ms[..., None]).exp_(), v, kv_n)
                 row.acc = pv if row.acc is None else row.acc.add_(pv)
     out = []
     for rb, row in enumerate(rows):
@@ -178,10 +178,11 @@ def _online(p: AttentionProblem, grp: Group, q: torch.Tensor, reader, tiling: Ti
     return cat([r.acc for r in out]), cat([r.l for r in out]), cat([r.m for r in out]), alive
 
 
-def _pv_int8(p: AttentionProblem, e: torch.Tensor, den: torch.Tensor, v: torch.Tensor, kv_n: int) -> torch.Tensor:
-    """int32(P8·V) exact in float64 [Bg, N, R, Dv]: P8 = sat_int8(round_half_even(e / den * quant_scale1))."""
+def _pv_int8(p: AttentionProblem, e: torch.Tensor, v: torch.Tensor, kv_n: int) -> torch.Tensor:
+    """int32(P8·V) exact in float64 [Bg, N, R, Dv]: P8 = sat_int8(round_half_even(e * quant_scale1)), e the
+    unnormalized exponentials exp(S - rowmax) (SPEC 11: the row sum divides after the product)."""
     bg, n, R, C = e.shape
-    p8 = torch.round(e.div_(den[..., None]).mul_(p.full_quant.quant_scale1)).clamp_(-128, 127).to(torch.float64)
+    p8 = torch.round(e.mul_(p.full_quant.quant_scale1)).clamp_(-128, 127).to(torch.float64)
     return torch.matmul(p8.view(bg, kv_n, -1, C), v).view(bg, n, R, v.shape[-1])
 
 
@@ -240,7 +241,7 @@ def _rows(p: AttentionProblem, grp: Group, q: torch.Tensor, reader, tiling: Tili
         v = reader.read("value", c0, c1)                                  # [Bg, KV_N, c, Dv]
         e = buf[i][..., :c1 - c0]                                         # [Bg, KV_N, G*S1, c]
         if int8:
-            acc.add_(_pv_int8(p, e.view(bg, n, S1, c1 - c0), l, v, kv_n).view(bg, kv_n, gr, p.Dv))
+            acc.add_(_pv_int8(p, e.view(bg, n, S1, c1 - c0), v, kv_n).view(bg, kv_n, gr, p.Dv))
         else:
             acc.view(bg * kv_n, gr, p.Dv).baddbmm_(e.reshape(bg * kv_n, gr, c1 - c0),
                                                    v.reshape(bg * kv_n, c1 - c0, p.Dv))
@@ -260,8 +261,8 @@ def run_group(p: AttentionProblem, grp: Group, tiling: Tiling) -> Tuple[torch.Te
     track_alive = p.row_invalid_fix and p.sink is None and p.mask.user_mask is not None
     rows = grp.Bg * p.N * grp.S1 * grp.S2 <= tiling.rows_elems
     acc, l, m, alive = (_rows if rows else _online)(p, grp, q, reader, tiling, mm, skip_ok, track_alive)
-    if int8:
-        out = acc.to(torch.float32) * p.full_quant.dequant_scale2
+    if int8:    # SPEC 11: the row sum of E divides last (l = 0 only in rows without keys, dropped below)
+        out = (acc.to(torch.float32) * p.full_quant.dequant_scale2) / torch.where(l > 0, l, 1.0)[..., None]
     else:                                                                 # acc: already the weighted mean
         if p.sink is not None and not rows:                               # one extra column, no value (SPEC 1.1b)
             sk = p.sink.to(cd)[None, :, None]                             # [1, N, 1]

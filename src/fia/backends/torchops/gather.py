@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from ...problem.attention import AttentionProblem
-from ...problem.quant import KVDequant, unpack_int4
+from ...problem.quant import KVDequant, dequant_fp4, unpack_int4
 from .plan import Group
 
 
@@ -77,6 +77,8 @@ class KVReader:
             lo = g.kv_lo[0]
             return t[:, lo + t0:lo + t1][None]
         t = getattr(kv, which)
+        if t.dtype == torch.float4_e2m1fn_x2:                                     # FP4: its bytes (torch cannot
+            t = t.view(torch.uint8)                                               # index FP4 tensors)
         if kv.kind == "dense":                                                    # [B, KV_N, KV_S, X]
             if g.uniform_kv and g.bslice is not None:
                 lo = g.kv_lo[0]
@@ -93,7 +95,9 @@ class KVReader:
         cols = torch.minimum(_ar(k0, k1, g.device)[None, :], (g.kv_last_t.clamp(min=0) // bs)[:, None])  # [Bg, nb]
         ids = self.table.gather(1, cols).reshape(-1)
         blocks = t.index_select(0, ids)                                           # [Bg * nb, KV_N, bs, X]
-        kvn, x = t.shape[1], t.shape[3]
+        if blocks.dim() == 5:                      # NZ [.., bs, X/X0, X0] (SPEC 8b): the gathered blocks' rows
+            blocks = blocks.flatten(3)
+        kvn, x = t.shape[1], blocks.shape[3]
         flat = blocks.view(g.Bg, k1 - k0, kvn, bs, x).transpose(1, 2).reshape(g.Bg, kvn, (k1 - k0) * bs, x)
         return flat[:, :, t0 - k0 * bs:t1 - k0 * bs]
 
@@ -116,6 +120,8 @@ class KVReader:
                 if k == "token":
                     return t[bi[:, None], pos][:, None, :, None]                  # [Bg, 1, n, 1]
                 return t[bi[:, None], :, pos].permute(0, 2, 1)[..., None]         # [Bg, KV_N, n, 1]
+            if k == "token_group":                          # [B, KV_N, S, D/32] E8M0 (logical positions when paged)
+                return t[g.b_t[:, None], :, pos].permute(0, 2, 1, 3)               # [Bg, KV_N, n, D/32]
             blk = self.table.gather(1, pos // self.bs)                            # [Bg, n]
             slot = pos % self.bs
             if k == "block_token":
@@ -130,6 +136,8 @@ class KVReader:
         if self.p.antiquant.int4:
             x = unpack_int4(x)
         s, o = self._factors(spec, pos)
+        if spec.granularity == "token_group":                   # FP4 codes x per-group E8M0 scales (SPEC 10b.1)
+            return dequant_fp4(x, s, self.dtype)
         x = x.to(self.dtype)
         if o is not None:
             x = x + o.to(self.dtype)

@@ -1,0 +1,68 @@
+"""torch_npu's graph-capture output helpers (`_npu_fused_infer_attention_score[_v2]_infer_output`): the shapes and
+dtype of a call's outputs from the query, the value, the layout and the output-dtype arguments -- no key, so no
+full parse (the call's own parse validates everything else when `.out` runs). DECISIONS 40."""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from ..config import is_strict
+from ..problem.layout import output_shape
+from .context import Ctx
+from .tensors import _value_dim, parse_layout, query_dims
+
+_ALIASES_V2 = {"quant_scale2": "quant_scale_out", "num_heads": "num_query_heads",
+               "softmax_lse_flag": "return_softmax_lse"}
+
+
+def infer_outputs(a: dict, api: str, v2: bool = False) -> Tuple[tuple, torch.dtype, Optional[tuple]]:
+    """(attention_out shape, its dtype, softmax_lse shape or None when the lse flag is off)."""
+    from .core import _requested_out_dtype
+    ctx = Ctx(api, is_strict(), dict(_ALIASES_V2) if v2 else {})
+    query = ctx.tensor("query", a["query"], optional=False)
+    value = ctx.tensor("value", a["value"], optional=False)
+    for name in ("quant_scale2", "block_table", "query_rope"):
+        ctx.tensor(name, a.get(name))
+    for name in ("query_dtype", "value_dtype"):
+        if a.get(name) is not None:
+            raise ctx.err(name, "None (reserved argument)", a[name])
+    layout = parse_layout(ctx, a["input_layout"])
+    qd = query_dims(ctx, layout, query, a["num_heads"], a["num_key_value_heads"])
+    pack = 8 if value.dtype == torch.int32 else 1          # int4 packed eight to an int32 (SPEC 10.4)
+    if a.get("block_table") is not None:                   # paged caches: (blocks, bs, H), (blocks, KV_N, bs, D), NZ
+        if value.dim() == 3:
+            if value.shape[2] % qd.KV_N:
+                raise ctx.err("value", f"H divisible by num_key_value_heads = {qd.KV_N}", value)
+            dv = value.shape[2] // qd.KV_N
+        elif value.dim() == 4:
+            dv = value.shape[3]
+        elif value.dim() == 5:
+            dv = value.shape[2] * value.shape[4]
+        else:
+            raise ctx.err("value", "a paged cache of rank 3, 4 or 5 (with block_table)", value)
+    else:
+        if value.dim() != layout.rank:
+            raise ctx.err("value", f"a {layout.rank}-D tensor for input_layout {layout.name}", value)
+        dv = _value_dim(ctx, layout, value, qd.KV_N)
+    dv *= pack
+    b, s, t = (0, 0, qd.S) if layout.packed else (qd.B, qd.S, 0)
+    out = output_shape(layout.out, b, qd.N, s, dv, t)
+    q_rope = a.get("query_rope")
+    quantized = a.get("quant_scale2") is not None
+    if quantized:
+        dtype = torch.int8
+    elif query.dtype == torch.int8:
+        dtype = q_rope.dtype if q_rope is not None else torch.float16
+    else:
+        dtype = query.dtype
+    if a.get("out_dtype") is not None:
+        dtype = _requested_out_dtype(ctx, a["out_dtype"], dtype, query.dtype, quantized)
+    flag = a["softmax_lse_flag"]
+    if not isinstance(flag, (bool, int)) or flag not in (0, 1):
+        raise ctx.err("softmax_lse_flag", "a bool", repr(flag))
+    lse = None
+    if flag:
+        lse = (t, qd.N, 1) if layout.packed else (b, qd.N, s, 1)
+    return tuple(out), dtype, lse
+
