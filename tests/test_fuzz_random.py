@@ -281,7 +281,8 @@ def _draw_main(r: random.Random, c: Case) -> None:
     elif c.api == "prompt":
         layouts = ["BSH", "BSND", "BNSD"] + (["BNSD_BSND"] if regime != "decode" else [])
     else:
-        layouts = ["BSH"] * 3 + ["BSND"] * 2 + ["BNSD"] * 3 + ["TND"] * 3 + ["NTD_TND", "TND_NTD"]
+        # (TND_NTD only with query D = 512 in strict mode: SPEC 14b.4 T11 -- the MLA family draws it)
+        layouts = ["BSH"] * 3 + ["BSND"] * 2 + ["BNSD"] * 3 + ["TND"] * 3 + ["NTD_TND"]
         if regime != "decode":
             layouts.append("BNSD_BSND")
         if regime != "prefill":
@@ -297,7 +298,7 @@ def _draw_main(r: random.Random, c: Case) -> None:
         c.kvn, g = r.choice([1, 2]), r.randint(9, 16)
     c.N = c.kvn * g
     c.kvn_arg0 = c.kvn == c.N and r.random() < 0.5
-    c.D = c.Dv = r.choice([64, 128])
+    c.D = c.Dv = 128 if c.packed else r.choice([64, 128])     # TND without rope: D 128 (SPEC 14b.4 T16)
     c.QS = {"decode": 1, "short": r.randint(2, 16), "prefill": r.randint(17, 80)}[regime]
     c.KVS = _kv_s(r)
     c.scale = 1.0 / math.sqrt(c.D) if r.random() < 0.7 else round(r.uniform(0.03, 0.3), 4)
@@ -315,7 +316,7 @@ def _draw_main(r: random.Random, c: Case) -> None:
         c.dtype = BF16                 # TND without rope: bfloat16 (float16 only with paged KV), strict
 
     # ---- output quantization decided early (it constrains pre/next of mode 4)
-    if r.random() < c.p(0.1):
+    if not c.packed and r.random() < c.p(0.1):    # TND: no output quantization (SPEC 14b.4 T17)
         c.outq = r.choice(["tensor", "channel"])
         c.outq_dtype = BF16 if (c.dtype == BF16 and r.random() < 0.4) else F32
         c.outq_offset = r.random() < 0.5
@@ -379,8 +380,8 @@ def _draw_main(r: random.Random, c: Case) -> None:
         if c.packed:
             opts = {"none": 60, "tmpl": 40}
         kind = r.choices(list(opts), list(opts.values()))[0]
-    elif c.packed:
-        kind = r.choices(["none", "m3", "m4"], [40, 35, 25])[0]
+    elif c.packed:                 # sparse 4 only with paged KV (SPEC 14b.4 T2, 15.11)
+        kind = r.choices(["none", "m3", "m4"], [40, 35, 25 if c.storage == "paged" else 0])[0]
     else:
         kind = r.choices(["none", "m0", "m1", "m2", "m3", "m4"], [25, 20, 15, 10, 15, 15])[0]
     _draw_mask(r, c, kind, probs=(0.05, 0.2, 0.4, 0.7, 0.97), padded=True)
@@ -424,7 +425,8 @@ def _draw_main(r: random.Random, c: Case) -> None:
     # ---- KV dequantization (SPEC 10)
     # (packed layouts: decode only, where per-channel / per-head factors are unambiguous; per-token ones
     # only with paged KV, whose positions are per batch)
-    if c.api in ("fused", "v2", "incre") and (not c.packed or decode) and c.KVS > 0 and r.random() < c.p(0.2):
+    # (TND: no dequantization in strict mode, SPEC 14b.4 T17)
+    if c.api in ("fused", "v2", "incre") and not c.packed and c.KVS > 0 and r.random() < c.p(0.2):
         _draw_antiquant(r, c, decode)
 
     # ---- int8 query with dequant_scale_query (SPEC 11, DECISIONS 13): float K/V, float16 output
@@ -466,6 +468,8 @@ def _draw_paged(r: random.Random, c: Case) -> None:
         c.bs = r.choice([32, 64, 128] if int8 else [16, 32, 48, 64, 128, 256])
     else:
         c.bs = r.choice([128, 128, 256])
+    if c.packed and c.D != 512:
+        c.bs = r.choice([128, 128, 512])            # paged TND: block_size 128 / 512 / 1024 (SPEC 14b.4 T14)
     c.cache_fmt = r.choice(["3d", "4d"]) if c.inp in ("BNSD", "TND") else "3d"
     c.spare = r.randint(0, 3)
     c.extra_cols = r.choice([0, 0, 0, 1, 2])
@@ -522,9 +526,7 @@ def _draw_mla(r: random.Random, c: Case) -> None:
         c.D = c.Dv = 512
         c.kvn, c.N = 1, r.choice([1, 2, 4, 8, 16])
         c.QS = 1 if r.random() < 0.6 else r.randint(2, 16)
-        layouts = ["BSH", "BSND", "BNSD", "BSH_NBSD", "BSND_NBSD", "BNSD_NBSD"]
-        if c.QS > 1:
-            layouts.append("BNSD_BSND")
+        layouts = ["BSH", "BSND", "BNSD", "BSH_NBSD", "BSND_NBSD", "BNSD_NBSD"]   # not BNSD_BSND (SPEC 14b.1 M5)
         c.layout = r.choice(layouts)
         c.B = r.randint(1, 3)
         c.KVS = r.randint(1, 160)
@@ -538,9 +540,9 @@ def _draw_mla(r: random.Random, c: Case) -> None:
         if c.QS == 1:
             kind = r.choice(["none", "m4"])
         else:
-            kind = r.choice(["none", "m3", "m4", "m0"])
+            kind = r.choice(["m3", "m4", "m0"])    # Q_S > 1: no sparse 0 without a mask (SPEC 14b.1 M6)
     else:
-        c.layout = r.choice(["TND", "TND", "NTD_TND", "TND_NTD"])
+        c.layout = r.choice(["TND", "TND", "NTD_TND"])    # D 128 + rope: TND / NTD_TND (SPEC 14b.3)
         c.D = c.Dv = 128
         c.kvn = r.choice([1, 2])
         c.N = c.kvn * r.randint(1, 8)
@@ -554,8 +556,8 @@ def _draw_mla(r: random.Random, c: Case) -> None:
         c.kv_lens = [_rand_len(r, c.KVS) for _ in range(c.B)]
         if sum(c.kv_lens) == 0:
             c.kv_lens[0] = c.KVS
-        c.storage = r.choice(["dense", "paged"])
-        kind = r.choice(["none", "m3", "m4"])
+        c.storage = "dense"                        # SPEC 14b.3: no paged KV
+        kind = r.choice(["none", "m3"])            # dense TND: sparse 0 without mask or 3 (SPEC 14b.4 T2)
         if kind == "m3" and not c.decode:
             c.kv_lens = [max(k, q) for k, q in zip(c.kv_lens, c.q_lens)]
     if c.storage == "paged":
@@ -567,7 +569,7 @@ def _draw_mla(r: random.Random, c: Case) -> None:
         c.pre, c.nxt = _pre_next(r, c, c.mode, c.QS, _kv_ext(c))
     c.ip = r.choice([0, 1]) if c.decode else r.choice([0, 1, 2, 3])
     c.lse = r.random() < 0.6
-    if r.random() < 0.3:
+    if c.latent and r.random() < 0.3:     # (D 128 TND MLA: no quantization, SPEC 14b.3)
         c.qdq = True                       # MLA with an int8 query (query_quant_mode 3), rope in c.dtype
 
 

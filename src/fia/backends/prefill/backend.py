@@ -126,7 +126,7 @@ class PrefillBackend(Backend):
 
     def kernel_sets(self, p: AttentionProblem):
         """fia.cpu.jit: FIA's own flash kernel where it serves this dtype on this CPU; the pse statistics pass."""
-        on = prefill_flash.ENABLED_FOR.get(p.dtype)
+        on = prefill_flash.ENABLED_FOR.get(_kernel_dtype(p))       # the dtype the kernel runs in
         own = ("prefill",) if on is not None and on() else ()
         pse = p.pse is not None and p.mask.user_mask is None and self.pse_skip and p.Q_S * p.KV_S >= self.pse_skip_min
         return own + ("prefill-pse",) if pse else own
