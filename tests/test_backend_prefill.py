@@ -314,7 +314,8 @@ def test_tnd_packed(sparse, tiles):
               atten_mask=template_mask())
     if sparse == 4:
         kw.update(pre_tokens=30, next_tokens=-3)
-    golden_check(FIA, kw)
+    with fia.validation_mode("portable"):       # D 32 and dense sparse 4: outside SPEC 14b.4 (T16, T2) in strict mode
+        golden_check(FIA, kw)
 
 
 @pytest.mark.parametrize("case", ["causal3", "band0-user", "pse"])

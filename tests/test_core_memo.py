@@ -53,7 +53,8 @@ def fields(p):
 def test_recalled_problem_equals_a_full_parse(layout):
     if layout == "TND":
         g = torch.Generator().manual_seed(1)
-        q, k, v = (torch.randn(t, n, D, generator=g).to(torch.bfloat16) for t, n in ((3, N), (20, KV_N), (20, KV_N)))
+        q, k, v = (torch.randn(t, n, 128, generator=g).to(torch.bfloat16)          # TND: D 128 (SPEC 14b.4 T16)
+                   for t, n in ((3, N), (20, KV_N), (20, KV_N)))
         a = call_args(q, k, v, input_layout="TND", actual_seq_lengths=[1, 3], actual_seq_lengths_kv=[12, 20])
     else:
         from util import to_layout

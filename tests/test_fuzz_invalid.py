@@ -336,10 +336,10 @@ def fam_leftpad(R, g, api="fused"):
 
 def fam_tnd(R, g, api=None):
     api = api or R.choice(["fused", "v2"])
-    lay = R.choice(["TND", "TND", "TND_NTD", "NTD_TND"])
+    lay = R.choice(["TND", "TND", "NTD_TND"])      # strict: TND_NTD only with query D = 512 (SPEC 14b.4 T11)
     B = R.randint(1, 3)
     N, kvn = _heads(R)
-    D = 16
+    D = 128                                         # strict: TND without rope has D 128 / 192 (SPEC 14b.4 T16)
     ql = [R.randint(0, 3) for _ in range(B)]
     kl = [R.randint(0, 4) for _ in range(B)]
     if sum(ql) == 0:

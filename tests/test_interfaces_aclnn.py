@@ -219,7 +219,7 @@ def test_v2_matches_eager_prefill_mask_lengths_lse():
 def test_v4_matches_eager_tnd():
     """V4-only layout (TND, cumulative lengths) with softmaxLse [T, N, 1]."""
     g = gen(502)
-    n, d, lens_q, lens_kv = 2, 16, [3, 1, 4], [5, 7, 2]
+    n, d, lens_q, lens_kv = 2, 128, [3, 1, 4], [5, 7, 2]       # TND: D 128 (SPEC 14b.4 T16)
     cq, ckv = [3, 4, 8], [5, 12, 14]
     bf = torch.bfloat16                          # strict mode: TND without rope is bfloat16
     q, k, v = randn((8, n, d), g, bf), randn((14, n, d), g, bf), randn((14, n, d), g, bf)

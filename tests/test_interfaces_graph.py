@@ -155,7 +155,7 @@ def test_opcheck_fused_optional_tensors_absent(lse):
 
 def test_opcheck_fused_mask_tnd_lse():
     g = gen(611)
-    q, k, v = randn((7, 2, 16), g, BF16), randn((9, 2, 16), g, BF16), randn((9, 2, 16), g, BF16)
+    q, k, v = randn((7, 2, 128), g, BF16), randn((9, 2, 128), g, BF16), randn((9, 2, 128), g, BF16)   # SPEC 14b.4 T16
     torch.library.opcheck(graph.op(FUSED), (q, k, v),
                           dict(num_heads=2, input_layout="TND", actual_seq_lengths=[3, 7],
                                actual_seq_lengths_kv=[4, 9], softmax_lse_flag=True, sparse_mode=3,

@@ -115,8 +115,9 @@ def test_out_operator_spelling_and_keyword_qkv(api):
 def test_out_tnd_lse_shape():
     """Packed layouts: attention_out [T, N, Dv], softmax_lse [T, N, 1]."""
     g = gen(seed_of("tnd"))
-    q, k, v = randn((9, N, D), g, torch.bfloat16), randn((13, KVN, D), g, torch.bfloat16), \
-        randn((13, KVN, D), g, torch.bfloat16)
+    d = 128                                                       # TND: D 128 (SPEC 14b.4 T16)
+    q, k, v = randn((9, N, d), g, torch.bfloat16), randn((13, KVN, d), g, torch.bfloat16), \
+        randn((13, KVN, d), g, torch.bfloat16)
     kw = dict(num_heads=N, num_key_value_heads=KVN, input_layout="TND", actual_seq_lengths=[4, 9],
               actual_seq_lengths_kv=[6, 13], softmax_lse_flag=True, sparse_mode=3, atten_mask=template_mask())
     out, l = fia.npu_fused_infer_attention_score(q, k, v, **kw)

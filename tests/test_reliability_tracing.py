@@ -129,7 +129,7 @@ def tnd_case(seed) -> Case:
     r = random.Random(seed)
     qs1, qs2 = r.randint(1, 9), r.randint(1, 9)
     ks1, ks2 = r.randint(qs1, 14), r.randint(qs2, 14)
-    n, d = 2, 16
+    n, d = 2, 128                                  # TND: D 128 (SPEC 14b.4 T16)
 
     def fn(q, k, v, tmpl):
         return fia.npu_fused_infer_attention_score(q, k, v, num_heads=n, input_layout="TND", sparse_mode=3,

@@ -63,8 +63,9 @@ def _parse(a: dict, api: str, aliases: Optional[dict], decode_only: bool) -> Att
     kind = QT.classify(ctx, a, query, *T.raw_kv_dtypes(key, value))
     q_rope, key_rope = Q.rope_pair(ctx, layout, query, a["query_rope"], a["key_rope"], qd)
     if kind.full and q_rope is not None:
-        raise FiaUnsupportedError(f"{ctx.n('query_rope')}: MLA with full int8 quantization needs the NZ cache "
-                                  "layout, which is not implemented", {"reference": ["MLA full quantization"]})
+        raise FiaUnsupportedError(f"{ctx.n('query_rope')}: MLA rope with dequant_scale1 / quant_scale1 / "
+                                  "dequant_scale2 full quantization is not implemented (MLA full quantization is "
+                                  "the dequant_scale_query form, SPEC 10b.3)", {"reference": ["MLA full quantization"]})
     paged = a["block_table"] is not None
 
     q_lens_raw = ctx.int_list("actual_seq_lengths", a["actual_seq_lengths"])

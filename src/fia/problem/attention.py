@@ -156,7 +156,10 @@ class PagedKV:
         off = lo - first * bs
 
         def gather(cache):  # [NB, KV_N, bs, D] (NZ: [NB, KV_N, bs, D/D0, D0]) -> [KV_N, hi - lo, D]
-            blocks = cache.index_select(0, ids)                          # [nb, KV_N, bs, D] (NZ: D/D0, D0)
+            if cache.dim() == 5:   # NZ: whole blocks of the stored (NB, KV_N, D/D0, bs, D0) tensor
+                blocks = cache.permute(0, 1, 3, 2, 4).index_select(0, ids).permute(0, 1, 3, 2, 4)
+            else:
+                blocks = cache.index_select(0, ids)                      # [nb, KV_N, bs, D]
             flat = blocks.permute(1, 0, 2, *range(3, blocks.dim())).reshape(cache.shape[1], -1, cache_dim(cache))
             return flat[:, off:off + hi - lo]
 

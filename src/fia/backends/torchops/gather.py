@@ -94,9 +94,10 @@ class KVReader:
         k0, k1 = t0 // bs, -(-t1 // bs)
         cols = torch.minimum(_ar(k0, k1, g.device)[None, :], (g.kv_last_t.clamp(min=0) // bs)[:, None])  # [Bg, nb]
         ids = self.table.gather(1, cols).reshape(-1)
-        blocks = t.index_select(0, ids)                                           # [Bg * nb, KV_N, bs, X]
-        if blocks.dim() == 5:                      # NZ [.., bs, X/X0, X0] (SPEC 8b): the gathered blocks' rows
-            blocks = blocks.flatten(3)
+        if t.dim() == 5:      # NZ view [.., bs, X/X0, X0] (SPEC 8b): whole blocks of the stored tensor, then rows
+            blocks = t.permute(0, 1, 3, 2, 4).index_select(0, ids).permute(0, 1, 3, 2, 4).flatten(3)
+        else:
+            blocks = t.index_select(0, ids)                                       # [Bg * nb, KV_N, bs, X]
         kvn, x = t.shape[1], blocks.shape[3]
         flat = blocks.view(g.Bg, k1 - k0, kvn, bs, x).transpose(1, 2).reshape(g.Bg, kvn, (k1 - k0) * bs, x)
         return flat[:, :, t0 - k0 * bs:t1 - k0 * bs]

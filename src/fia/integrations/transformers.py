@@ -1,0 +1,224 @@
+"""FIA as the attention of Hugging Face transformers models: ``attn_implementation="fia"``.
+
+    import fia.integrations.transformers          # registers "fia" (idempotent; also: register())
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="fia")   # or from_pretrained(...)
+    model.generate(...)                           # prefill and every decode step run fia.npu_fused_infer_attention_score
+
+Supported transformers versions: ``SUPPORTED_TRANSFORMERS`` (tested with 5.24); importing this module with another
+version raises ImportError naming the installed and the supported versions. Install with ``pip install fia[transformers]``.
+
+What the attention function receives (as ``transformers.integrations.sdpa_attention``: query [B, N, S, D], key /
+value [B, KV_N, S_kv, D] with GQA not repeated, a 4-D mask or None, ``scaling``, ``sliding_window`` ...) is mapped
+onto FIA's arguments (SPEC 2, 4, 5) without materializing what FIA expresses natively:
+
+- no mask, causal prefill -> ``sparse_mode=3`` (right-down causal; the 2048x2048 template mask);
+- a mask that is causal (or full) attention over one contiguous key window per batch -- left padding, right padding
+  of the keys, a static cache's unused tail, a sliding window -- is detected (once per mask tensor, shared by the
+  layers) and becomes per-batch ``actual_seq_lengths_kv`` (+ ``kv_padding_size`` for left padding), with
+  ``sparse_mode=3``, or ``sparse_mode=4`` (band, ``pre_tokens = sliding_window - 1``, ``next_tokens = 0``) for
+  sliding-window layers (Mistral); decode steps (Q_S = 1) need only the KV window;
+- any other mask is passed as a general ``atten_mask`` (bool, True = masked), the same for all heads;
+- GQA: ``num_key_value_heads`` = KV_N, K/V never repeated; ``scale`` = the module's ``scaling``.
+
+Options FIA cannot express raise ``FiaTransformersUnsupported`` naming the option (never a silently wrong result):
+attention logit soft-capping (``softcap``), dropout > 0, ``output_attentions``, ``position_bias``, attention sinks
+(``s_aux``), per-head masks, additive float masks that are not 0 / -inf.
+
+float32 models: float32 is not an NPU dtype, so FIA's strict validation (SPEC 1.4) would refuse it; the integration
+runs float32 calls under ``fia.validation_mode("portable")``. float16 / bfloat16 calls run in the caller's mode
+(strict by default: what runs here also passes the NPU's checks).
+
+Not routed: transformers' continuous-batching ``PagedAttentionCache`` (``generate_batch``) -- see README.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+import fia
+
+SUPPORTED_TRANSFORMERS = ">=5.0,<6"
+TESTED_TRANSFORMERS = ("5.24.0",)
+NAME = "fia"
+
+
+class FiaTransformersUnsupported(NotImplementedError):
+    """transformers asked for an attention option that FIA cannot express."""
+
+
+def check_version(version: str) -> None:
+    """Raise ImportError unless transformers `version` is in SUPPORTED_TRANSFORMERS."""
+    from packaging.version import Version
+    if not (Version("5.0") <= Version(version) < Version("6")):
+        raise ImportError(f"fia.integrations.transformers supports transformers {SUPPORTED_TRANSFORMERS} "
+                          f"(tested: {', '.join(TESTED_TRANSFORMERS)}); installed: {version}. "
+                          "Install a supported version: pip install 'fia[transformers]'")
+
+
+try:
+    import transformers as _transformers
+except ImportError as e:                                          # pragma: no cover - depends on the environment
+    raise ImportError("fia.integrations.transformers needs transformers "
+                      f"{SUPPORTED_TRANSFORMERS}: pip install 'fia[transformers]'") from e
+check_version(_transformers.__version__)
+
+_templates: dict = {}                 # device -> the 2048x2048 triu template mask of sparse modes 2-4 (SPEC 5)
+_plans: dict = {}                     # id(mask) -> (weakref(mask), key, plan): one analysis per mask tensor
+
+
+def _template(device) -> torch.Tensor:
+    t = _templates.get(device)
+    if t is None:
+        t = _templates[device] = torch.triu(torch.ones(2048, 2048, dtype=torch.bool, device=device), diagonal=1)
+    return t
+
+
+def _unsupported(option: str, why: str):
+    raise FiaTransformersUnsupported(f"attn_implementation='fia' does not support {option}: {why}. "
+                                     "Use attn_implementation='eager' for this model / setting.")
+
+
+def _allowed(mask: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """The 4-D mask as bool, True = may attend (transformers' convention), cut to the keys given."""
+    if mask.dim() != 4:
+        _unsupported(f"a {mask.dim()}-D attention mask", "transformers hands attention functions 4-D masks")
+    mask = mask[..., :kv_len]
+    if mask.dtype == torch.bool:
+        return mask
+    if not mask.is_floating_point():
+        return mask != 0
+    finite_min = torch.finfo(mask.dtype).min
+    allowed = mask > finite_min / 2
+    if not bool(torch.all(mask[allowed] == 0)):
+        _unsupported("an additive float attention bias", "the float mask holds values other than 0 and -inf/min")
+    return allowed
+
+
+def _plan_from_mask(allowed: torch.Tensor, q_len: int, kv_len: int, causal: bool, window):
+    """FIA arguments that reproduce `allowed` [B, H, Q, KV] exactly: lengths + sparse mode when the mask is causal /
+    full / banded attention over one contiguous key window per batch, else the general mask."""
+    if allowed.shape[1] != 1:
+        if not bool(torch.all(allowed == allowed[:, :1])):
+            _unsupported("per-head attention masks", "FIA's atten_mask is shared by all heads (SPEC 5)")
+        allowed = allowed[:, :1]
+    a = allowed[:, 0]
+    if a.shape[0] == 1 and a.shape[0] != allowed.shape[0]:         # pragma: no cover - broadcast batch
+        a = a.expand(allowed.shape[0], -1, -1)
+    dev = a.device
+    cols = a.any(1)                                                # [B, KV]: keys some row attends
+    j = torch.arange(kv_len, device=dev)
+    lo = torch.where(cols, j, kv_len).amin(-1)
+    hi = torch.where(cols, j + 1, 0).amax(-1)
+    empty = hi == 0
+    lo = torch.where(empty, kv_len, lo)
+    hi = torch.where(empty, kv_len, hi)
+    jj, lo3, hi3 = j.view(1, 1, -1), lo.view(-1, 1, 1), hi.view(-1, 1, 1)
+    window_keys = (jj >= lo3) & (jj < hi3)
+
+    found = None
+    if q_len == 1:                                                 # decode: a key window is all there is (SPEC 5)
+        if torch.equal(window_keys, a):
+            found = (False, None)
+    else:
+        ii = torch.arange(q_len, device=dev).view(1, -1, 1)
+        diag = ii + (hi3 - q_len)                                  # right-down diagonal of each batch's window
+        pre = None if not window else int(window) - 1
+        cands = [(True, pre), (True, None), (False, None)] if causal else [(False, None), (True, None)]
+        for is_causal, p in dict.fromkeys(cands):
+            exp = window_keys
+            if is_causal:
+                exp = exp & (jj <= diag)
+                if p is not None:
+                    exp = exp & (jj >= diag - p)
+            if torch.equal(exp, a):
+                found = (is_causal, p)
+                break
+    if found is None:                                              # a general mask: FIA's convention, True = masked
+        m = ~a
+        return {"atten_mask": (m.unsqueeze(1) if q_len > 1 else m.view(m.shape[0], 1, 1, -1)).contiguous()}
+    is_causal, p = found
+    plan = {}
+    lo_l, hi_l = lo.tolist(), hi.tolist()
+    if any(lo_l):                                                  # left padding: window [KV - pad - act, KV - pad)
+        plan["actual_seq_lengths_kv"] = [h - lo_ for lo_, h in zip(lo_l, hi_l)]
+        plan["kv_padding_size"] = torch.tensor([kv_len - h for h in hi_l], dtype=torch.int64, device=dev)
+    elif any(h != kv_len for h in hi_l):                           # right padding / a static cache's unused tail
+        plan["actual_seq_lengths_kv"] = hi_l
+    if q_len > 1 and is_causal:
+        plan["sparse_mode"] = 3 if p is None else 4
+        if p is not None:
+            plan["pre_tokens"], plan["next_tokens"] = p, 0
+    return plan
+
+
+def _mask_plan(mask, q_len: int, kv_len: int, causal: bool, window) -> dict:
+    if mask is None:
+        if q_len == 1 or not causal:
+            return {}
+        if kv_len > q_len:            # transformers skips the mask only for an empty static cache: upper-left causal
+            return {"sparse_mode": 3, "actual_seq_lengths_kv": [q_len]}
+        return {"sparse_mode": 3}
+    key = (mask._version, tuple(mask.shape), mask.data_ptr(), q_len, kv_len, causal, window)
+    hit = _plans.get(id(mask))
+    if hit is not None and hit[0]() is mask and hit[1] == key:
+        return hit[2]
+    plan = _plan_from_mask(_allowed(mask, kv_len), q_len, kv_len, causal, window)
+    if len(_plans) > 16:
+        _plans.clear()
+    _plans[id(mask)] = (weakref.ref(mask), key, plan)
+    return plan
+
+
+def fia_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
+                          sliding_window=None, softcap=None, **kwargs):
+    """transformers' attention-function signature (as sdpa_attention_forward): returns ([B, S, N, Dv], None)."""
+    if softcap is not None:
+        _unsupported(f"attention logit soft-capping (softcap={softcap})", "FIA has no logit soft-capping")
+    if dropout and dropout > 0:
+        _unsupported(f"attention dropout (dropout={dropout})", "FIA is an inference operator; call model.eval()")
+    if kwargs.get("output_attentions"):
+        _unsupported("output_attentions=True", "FIA never materializes attention probabilities")
+    if kwargs.get("position_bias") is not None:
+        _unsupported("position_bias", "pass it as an explicit pse_shift through FIA's API instead")
+    if kwargs.get("s_aux") is not None:
+        _unsupported("attention sinks (s_aux)", "not mapped by this integration")
+    if key.dim() != 4 or query.dim() != 4:
+        _unsupported("non 4-D query/key/value", "expected [B, N, S, D]")
+    b, n, q_len, d = query.shape
+    kv_n, kv_len = key.shape[1], key.shape[2]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    scale = float(scaling) if scaling is not None else d ** -0.5
+    plan = _mask_plan(attention_mask, q_len, kv_len, bool(causal), sliding_window)
+    kw = dict(plan)
+    if kw.get("sparse_mode") in (3, 4):
+        kw["atten_mask"] = _template(query.device)
+    layout = "BNSD_BSND" if q_len > 1 else "BNSD"
+    attn = fia.npu_fused_infer_attention_score                    # the public API, looked up at call time
+    if query.dtype == torch.float32:
+        with fia.validation_mode("portable"):                     # float32 is not an NPU dtype (SPEC 1.4)
+            out, _ = attn(query, key, value, num_heads=n, num_key_value_heads=kv_n, input_layout=layout,
+                          scale=scale, **kw)
+    else:
+        out, _ = attn(query, key, value, num_heads=n, num_key_value_heads=kv_n, input_layout=layout,
+                      scale=scale, **kw)
+    if q_len == 1:
+        out = out.transpose(1, 2)                                  # [B, N, 1, D] -> [B, 1, N, D] (no copy)
+    return out, None
+
+
+def register(name: str = NAME) -> str:
+    """Register `name` (default "fia") in transformers' AttentionInterface and AttentionMaskInterface (idempotent).
+    The mask function is transformers' sdpa_mask: None for plain causal, else a bool mask (True = attend) that
+    fia_attention_forward reduces to lengths / sparse modes."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    AttentionInterface.register(name, fia_attention_forward)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name
+
+
+register()
+
+__all__ = ["FiaTransformersUnsupported", "NAME", "SUPPORTED_TRANSFORMERS", "fia_attention_forward", "register"]
