@@ -2,7 +2,7 @@
 
 y8 = saturate_int8(round_half_even(y · quant_scale2 + quant_offset2)), per-tensor (1,) or per-channel in every
 documented shape; float32 scales, or bfloat16 with a bfloat16 query. The float64 reference is quantized the
-same way. Every backend quantizes from its float32 result (SPEC 12, 15.5; DECISIONS 51: no rounding to the
+same way. Every backend quantizes from its float32 result (SPEC 12, 15.5; DECISIONS 44: no rounding to the
 query dtype first), so the int8 output must equal the quantized float64 reference except where that value lies
 within F32_EPS codes of a rounding boundary (float32 accumulation error); exactly where the float result is exact
 (one key: softmax weight 1, so y = V). (The ±1 of SPEC 15.5 is the hardware's own float16 rounding.)

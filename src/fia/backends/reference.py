@@ -127,7 +127,7 @@ def attend_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fq: FullQuant
     exponentials; P8 = sat_int8(round_half_even(E * quant_scale1)); O = int32(P8 V) * dequant_scale2 / rowsum(E).
     Masked keys take the finite fill (E = 0 unless the whole row is masked: then E = 1 on every key, SPEC 6);
     rowmax and rowsum run over the batch's own keys only; lse is that of the float scores, rowmax + log(rowsum)
-    (DECISIONS 50). Integer products are exact in float64.
+    (DECISIONS 43). Integer products are exact in float64.
     """
     n, s1, d = q.shape
     kv_n, s2, dv = v.shape

@@ -9,6 +9,8 @@
   --list           print the case names and exit
   --demo           run the paged-KV decode loop of the README (fia.bench.demo) and exit
   --cold           cold start per call family: fresh processes with empty kernel caches (fia.bench.cold)
+  --transformers   a transformers model end to end, attn_implementation fia / sdpa / eager: prefill 512 tokens +
+                   64 decode steps, tokens/s (fia.bench.transformers_bench; --dtype, --batch, --prompt, --steps)
 """
 from __future__ import annotations
 
@@ -33,6 +35,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    if "--transformers" in (argv if argv is not None else sys.argv[1:]):
+        from .transformers_bench import main as transformers_main
+        return transformers_main(argv)
     args = parse_args(argv)
     if args.demo:
         from .demo import demo

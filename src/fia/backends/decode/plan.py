@@ -155,7 +155,7 @@ def _plan(p: AttentionProblem, x: Inputs, K, threads: int) -> Plan:
         w0, w1 = src.entries(work, wrange)
         keys = keys_total if src.batch is None else int(lens[src.batch])
         wk = work if (w0, w1) == (0, W) else np.ascontiguousarray(work[:, w0:w1])
-        own.append(_launch_plan(src, ip, K, wk, w0, w1, H, R0, threads, keys) if w1 > w0 else None)
+        own.append(_launch_plan(src, ip, K, wk, w0, w1, H, R0, threads, keys, _pv_dp(p)) if w1 > w0 else None)
 
     # ---- shared prefix: batches grouped, the prefix read once per group (SPEC 7)
     prefix, pwrange, Rp = None, wrange[:, :1], R0
@@ -167,7 +167,7 @@ def _plan(p: AttentionProblem, x: Inputs, K, threads: int) -> Plan:
         ipp = list(ip)                            # (the prefix source sets its own source ints)
         ipp[K.IP_BPG], ipp[K.IP_R], ipp[K.IP_HB] = bpg, Rp, phb
         ipp[K.IP_COL_BASE], ipp[K.IP_PREFIX_PASS] = 0, 1
-        prefix = _launch_plan(x.prefix, ipp, K, pwork, 0, pwork.shape[1], H, Rp, threads, ng * P)
+        prefix = _launch_plan(x.prefix, ipp, K, pwork, 0, pwork.shape[1], H, Rp, threads, ng * P, _pv_dp(p))
 
     # ---- merge: splits + prefix + sink, normalization, value dequant, special rows; the output is
     # written in its final layout and dtype, so the shared epilogue has nothing to copy
@@ -216,13 +216,13 @@ def _heads_per_item(sources, H: int) -> int:
 
 
 def _launch_plan(src: Source, ip: list, K, work: np.ndarray, w0: int, w1: int, H: int, R: int, threads: int,
-                 keys: int) -> Launch:
+                 keys: int, pv: bool = True) -> Launch:
     """A source's launch: the shared int parameters (in ip) with the source's own; the items w * (H / HB) + h /
     HB in the order the threads take them. Threaded: longest first; small work (keys x H x R <
     PARALLEL_MIN_WORK) stays on the calling thread."""
     src.ints(ip, K)
     key_bytes = _key_bytes(K, ip)
-    ip[K.IP_DP] = _dp_flags(K, key_bytes, keys, H)
+    ip[K.IP_DP] = _dp_flags(K, key_bytes, keys, H, pv)
     items, t = _schedule(work, H, R, threads, keys, ip[K.IP_HB])
     return Launch(np.array(ip, np.int64), work, w0, w1, items, t, src.generic(), key_bytes)
 
@@ -233,12 +233,19 @@ def _key_bytes(K, ip) -> float:
                      for d, kind in ((K.IP_D, K.IP_K_KIND), (K.IP_DV, K.IP_V_KIND), (K.IP_DR, K.IP_R_KIND))))
 
 
-def _dp_flags(K, key_bytes: float, keys: int, H: int) -> int:
-    """ip[IP_DP] of a launch over `keys` keys x H KV heads of key_bytes each (_key_bytes): DP_FLAGS, without
-    the prefetch bits when it reads at most PREFETCH_MIN_BYTES of K / V."""
+def _pv_dp(p: AttentionProblem) -> bool:
+    """Whether P.V may take the bf16 dp kernels (P rounded to bf16, DECISIONS 23): not when the output is
+    quantized -- int8 codes come from the float32 result (SPEC 12, DECISIONS 44)."""
+    return p.out_quant is None
+
+
+def _dp_flags(K, key_bytes: float, keys: int, H: int, pv: bool = True) -> int:
+    """ip[IP_DP] of a launch over `keys` keys x H KV heads of key_bytes each (_key_bytes): DP_FLAGS (without
+    DP_PV unless `pv`), without the prefetch bits when it reads at most PREFETCH_MIN_BYTES of K / V."""
+    flags = K.DP_FLAGS if pv else K.DP_FLAGS & ~K.DP_PV
     if keys * H * key_bytes <= PREFETCH_MIN_BYTES:
-        return K.DP_FLAGS & ~(K.DP_PREFETCH_BITS | K.DP_TOUCH)
-    return K.DP_FLAGS
+        return flags & ~(K.DP_PREFETCH_BITS | K.DP_TOUCH)
+    return flags
 
 
 def _schedule(work: np.ndarray, H: int, R: int, threads: int, keys: int, hb: int = 1):
@@ -271,7 +278,7 @@ def relength(plan: Plan, p: AttentionProblem, kv_lens: np.ndarray, K, threads: i
     if W == 0:
         return None
     items, t = _schedule(work, p.KV_N, p.G * p.Q_S, threads, keys, hb)
-    flags = _dp_flags(K, launch.key_bytes, keys, p.KV_N)
+    flags = _dp_flags(K, launch.key_bytes, keys, p.KV_N, _pv_dp(p))
     if flags != ip[K.IP_DP]:                      # (the prefetch choice follows the bytes read)
         ip = ip.copy()
         ip[K.IP_DP] = flags

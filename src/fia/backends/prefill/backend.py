@@ -373,7 +373,7 @@ def _band_tile(i0, i1, c0, c1, band, device):
 def _kernel_dtype(p: AttentionProblem) -> torch.dtype:
     """bf16/fp16 matmuls for bf16/fp16 queries (accuracy targets allow it); else the compute dtype. With output
     quantization the compute dtype too: the kernels return their query's dtype, and int8 codes are quantized
-    from the float32 result, as the hardware's fused epilogue does (SPEC 12, DECISIONS 51)."""
+    from the float32 result, as the hardware's fused epilogue does (SPEC 12, DECISIONS 44)."""
     if p.dtype in (torch.float16, torch.bfloat16) and p.query_dequant is None and p.antiquant is None \
             and p.compute_dtype == torch.float32 and p.out_quant is None:
         return p.dtype      # dequantized K/V rounded to bf16 would cost ~2e-3 of lse: antiquant stays float32
