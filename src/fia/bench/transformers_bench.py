@@ -43,31 +43,33 @@ def run_once(model, ids: torch.Tensor, steps: int):
 
 
 def bench(impls=("fia", "sdpa", "eager"), prompt: int = 512, steps: int = 64, batch: int = 1,
-          dtype=torch.float32, repeats: int = 1, config=None, out=print) -> dict:
-    """tokens/s per implementation: {impl: {"prefill_tok_s", "decode_tok_s", "prefill_s", "decode_s"}}; the best of
-    `repeats` runs after a warm-up (the full prefill + 4 steps: first calls load kernels and plans). With one repeat every
-    decode step has a KV length not seen before, as in real generation."""
+          dtype=torch.float32, repeats: int = 3, config=None, out=print) -> dict:
+    """tokens/s per implementation: {impl: {"prefill_tok_s", "decode_tok_s", "prefill_s", "decode_s"}}, the best of
+    `repeats` runs after a warm-up (the full prefill + 4 steps: first calls load kernels and plans); the
+    implementations take turns in every repeat, so that a busy machine slows them alike."""
     import fia
     fia.warmup()
     g = torch.Generator().manual_seed(1)
     vocab = (config.vocab_size if config is not None else DEFAULT["vocab_size"])
     ids = torch.randint(0, vocab, (batch, prompt), generator=g)
-    res, ref_tokens = {}, None
-    for impl in impls:
-        model = make_model(impl, dtype, config)
+    models = {impl: make_model(impl, dtype, config) for impl in impls}
+    best = {impl: [float("inf"), float("inf"), None] for impl in impls}
+    for model in models.values():
         run_once(model, ids, 4)                                                 # warm-up
-        best_p = best_d = float("inf")
-        for _ in range(max(1, repeats)):
+    for _ in range(max(1, repeats)):
+        for impl, model in models.items():
             p, d, toks = run_once(model, ids, steps)
-            best_p, best_d = min(best_p, p), min(best_d, d)
-        same = None if ref_tokens is None else float((toks == ref_tokens).float().mean())
-        ref_tokens = toks if ref_tokens is None else ref_tokens
+            b = best[impl]
+            b[0], b[1], b[2] = min(b[0], p), min(b[1], d), toks
+    res, ref_tokens = {}, best[impls[0]][2]
+    for impl in impls:
+        best_p, best_d, toks = best[impl]
+        same = None if impl == impls[0] else float((toks == ref_tokens).float().mean())
         res[impl] = {"prefill_s": best_p, "decode_s": best_d, "prefill_tok_s": batch * prompt / best_p,
                      "decode_tok_s": batch * (steps - 1) / best_d, "same_tokens_as_first": same}
         out(f"{impl:6s} prefill {prompt} tok: {res[impl]['prefill_tok_s']:9.1f} tok/s ({best_p * 1e3:7.1f} ms)   "
             f"decode {steps} steps: {res[impl]['decode_tok_s']:7.1f} tok/s ({best_d / max(1, steps - 1) * 1e3:6.2f} "
             f"ms/step)" + ("" if same is None else f"   same greedy tokens as {impls[0]}: {same:.0%}"))
-        del model
     return res
 
 
@@ -79,7 +81,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", default="float32", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--impls", default="fia,sdpa,eager")
     a, _ = p.parse_known_args(argv)
     print(f"transformers Llama-shaped model {DEFAULT}, {a.dtype}, batch {a.batch}, torch threads "
