@@ -43,12 +43,14 @@ def run_once(model, ids: torch.Tensor, steps: int):
 
 
 def bench(impls=("fia", "sdpa", "eager"), prompt: int = 512, steps: int = 64, batch: int = 1,
-          dtype=torch.float32, repeats: int = 3, config=None, out=print) -> dict:
+          dtype=torch.float32, repeats: int = 3, config=None, out=print,
+          warmup: bool = True) -> dict:
     """tokens/s per implementation: {impl: {"prefill_tok_s", "decode_tok_s", "prefill_s", "decode_s"}}, the best of
     `repeats` runs after a warm-up (the full prefill + 4 steps: first calls load kernels and plans); the
     implementations take turns in every repeat, so that a busy machine slows them alike."""
-    import fia
-    fia.warmup()
+    if warmup:
+        import fia
+        fia.warmup()                                        # FIA's compiled kernels (from the cache, or built now)
     g = torch.Generator().manual_seed(1)
     vocab = (config.vocab_size if config is not None else DEFAULT["vocab_size"])
     ids = torch.randint(0, vocab, (batch, prompt), generator=g)

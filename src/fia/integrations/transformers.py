@@ -102,9 +102,7 @@ def _plan_from_mask(allowed: torch.Tensor, q_len: int, kv_len: int, causal: bool
         if not bool(torch.all(allowed == allowed[:, :1])):
             _unsupported("per-head attention masks", "FIA's atten_mask is shared by all heads (SPEC 5)")
         allowed = allowed[:, :1]
-    a = allowed[:, 0]
-    if a.shape[0] == 1 and a.shape[0] != allowed.shape[0]:         # pragma: no cover - broadcast batch
-        a = a.expand(allowed.shape[0], -1, -1)
+    a = allowed[:, 0]                     # batch 1 (broadcast) stays 1: FIA applies one-entry lengths to every batch
     dev = a.device
     cols = a.any(1)                                                # [B, KV]: keys some row attends
     j = torch.arange(kv_len, device=dev)
