@@ -25,7 +25,7 @@ from . import eager, replay
 from .errors import FiaUnsupportedError, input_error
 from .graph import INT_LISTS, OPS, OpSpec, op
 from .outvariants import caller_outputs
-from .parse.core import DTYPE_NUMBERS
+from .parse.outputs import DTYPE_NUMBERS
 
 __all__ = ["npu_fused_infer_attention_score", "npu_incre_flash_attention", "npu_prompt_flash_attention",
            "npu_fused_infer_attention_score_v2", "npu_attention_update",

@@ -21,6 +21,7 @@ from . import tensors as T
 from . import v4_rules as V4
 from .context import Ctx, describe, dtype_name
 from .unimplemented import reject_unimplemented
+from .outputs import output_dtype
 from .paged import paged_kv
 
 
@@ -211,14 +212,7 @@ def _parse(a: dict, api: str, aliases: Optional[dict], decode_only: bool) -> Att
                                tuple(q_off) if layout.packed else None)
     out_q = QT.output_quant(ctx, a, q_dtype=query.dtype, n=qd.N, dv=dv, out_layout=layout.out,
                             int4=kind.kv == "int4", left_padded=qpad_on or kvpad_on, mask=mask, geometry=geometry)
-    if out_q is not None:
-        out_dtype = torch.int8
-    elif query.dtype == torch.int8:
-        out_dtype = q_rope.dtype if q_rope is not None else torch.float16
-    else:
-        out_dtype = query.dtype
-    if a.get("out_dtype") is not None:
-        out_dtype = _requested_out_dtype(ctx, a["out_dtype"], out_dtype, query.dtype, out_q is not None)
+    out_dtype = output_dtype(ctx, a, query, out_q is not None)
 
     compute = torch.float64 if query.dtype == torch.float64 else torch.float32
     return AttentionProblem(
@@ -245,13 +239,6 @@ _OPTIONAL_TENSORS = (
     "key_rope_antiquant_scale", "dequant_scale_query", "learnable_sink")
 
 
-# torch_npu's dtype numbers (`int? out_dtype`: ATen's ScalarType numbering for the standard dtypes) -> dtype
-DTYPE_CODES = {0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.int64, 5: torch.float16,
-               6: torch.float32, 7: torch.float64, 11: torch.bool, 15: torch.bfloat16}
-for _code, _name in ((23, "float8_e5m2"), (24, "float8_e4m3fn")):
-    if hasattr(torch, _name):
-        DTYPE_CODES[_code] = getattr(torch, _name)
-DTYPE_NUMBERS = {dt: code for code, dt in DTYPE_CODES.items()}
 
 
 # reserved arguments the documents say have no effect (keyRopeAntiquantScale: "预留参数，当前版本不生效"; v2's
@@ -264,34 +251,6 @@ def _reserved(ctx: Ctx, a: dict) -> None:
     for name in RESERVED_TENSORS:
         if a.get(name) is not None:
             raise ctx.err(name, "None (a reserved argument with no effect in the documents)", a[name])
-
-
-def _requested_out_dtype(ctx: Ctx, v, default: torch.dtype, q_dtype: torch.dtype, quantized: bool) -> torch.dtype:
-    """npu_fused_infer_attention_score_v2's out_dtype (a torch_npu dtype number, or a torch.dtype): the output
-    dtype of an int8 query (float16 / bfloat16) or of a quantized output (int8). Without either, only the
-    output's own dtype (the query's) is accepted. FP8 outputs are valid per torch_npu's document but not
-    implemented. (DECISIONS 38)"""
-    if isinstance(v, torch.dtype):
-        dt = v
-    elif isinstance(v, int) and not isinstance(v, bool) and v in DTYPE_CODES:
-        dt = DTYPE_CODES[v]
-    else:
-        raise ctx.err("out_dtype", "None, a torch dtype or torch_npu's dtype number (5 float16, 15 bfloat16, "
-                      "1 int8, ...)", describe(v))
-    if dt.is_floating_point and dt.itemsize == 1:
-        raise FiaUnsupportedError(f"{ctx.n('out_dtype')}: an FP8 output ({dtype_name(dt)}) is valid per the "
-                                  "documents but not implemented by any FIA backend", {"reference": ["FP8 output"]})
-    if quantized:
-        allowed, why = (torch.int8,), "int8 (the output is quantized by quant_scale2)"
-    elif q_dtype == torch.int8:
-        allowed, why = (torch.float16, torch.bfloat16), "float16 or bfloat16 (the output of an int8 query)"
-    else:
-        allowed = (default,)
-        why = (f"{dtype_name(default)}, the output's dtype (out_dtype selects the output dtype only for an int8 "
-               "query or a quantized output)")
-    if dt not in allowed:
-        raise ctx.err("out_dtype", why, dtype_name(dt))
-    return dt
 
 
 def _resolve_neg(a: dict) -> dict:

@@ -100,7 +100,7 @@ def query_dims(ctx: Ctx, layout: Layout, query: torch.Tensor, num_heads, num_kv_
     return QueryDims(b, n, kv_n, query.shape[seq_dim(layout.inp)], d)
 
 
-def _value_dim(ctx: Ctx, layout: Layout, value: torch.Tensor, kv_n: int, name: str = "value") -> int:
+def value_dim(ctx: Ctx, layout: Layout, value: torch.Tensor, kv_n: int, name: str = "value") -> int:
     if layout.inp == "BSH":
         if value.shape[2] % kv_n:
             raise ctx.err(name, f"H divisible by num_key_value_heads = {kv_n}", value)
@@ -131,7 +131,7 @@ def dense_kv(ctx: Ctx, layout: Layout, qd: QueryDims, key: torch.Tensor, value: 
     if kd * pack != d:
         raise ctx.err("key", f"head dim D = {d // pack} (the query's D = {d}" + (f" / {pack} for {'int4' if pack == 8 else 'FP4'})" if pack > 1 else ")"),
                       f"D = {kd} ({tuple(key.shape)})", _bsh_hint(ctx, layout, qd))
-    vd = _value_dim(ctx, layout, value, kv_n) * pack
+    vd = value_dim(ctx, layout, value, kv_n) * pack
     if key.shape[:-1] != value.shape[:-1] or (vd != d and not allow_dv_differs) \
             or (layout.inp == "BSH" and value.shape[2] % kv_n):
         raise ctx.err("value", f"the shape of key {tuple(key.shape)}", value)
