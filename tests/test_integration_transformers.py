@@ -245,3 +245,36 @@ def test_transformers_bench_runs(capsys):
     assert set(res) == {"fia", "sdpa"} and all(r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 for r in res.values())
     assert res["sdpa"]["same_tokens_as_first"] == 1.0
     assert "decode 3 steps" in capsys.readouterr().out
+
+
+def test_generate_batch_paged_identical_to_sdpa(calls):
+    """Continuous batching (PagedAttentionCache): prefill packed in TND with cumulative lengths, decode through FIA's
+    paged KV path (the cache's page pool read in place with transformers' block table); greedy tokens as "sdpa"."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    eager, mine = _models("llama", torch.float32)
+    ref = AutoModelForCausalLM.from_config(copy.deepcopy(eager.config), attn_implementation="sdpa",
+                                           dtype=torch.float32).eval()
+    ref.load_state_dict(eager.state_dict())
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [7, 8, 9], [10, 11, 12, 13, 14]]
+    gen = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-1, pad_token_id=0)
+
+    def run(model):
+        cb = ContinuousBatchingConfig(page_size=4, num_blocks=32, max_batch_tokens=32, max_blocks_per_request=8)
+        out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb, warmup=False)
+        return sorted((r.request_id, list(r.generated_tokens)) for r in out.values())
+
+    with torch.no_grad():
+        expected = run(ref)
+        got = run(mine)
+    assert got == expected and all(len(toks) == 6 for _, toks in got)
+    assert mine.config._attn_implementation == "fia"
+    prefill = [c for c in calls if c["input_layout"] == "TND"]
+    paged = [c for c in calls if c.get("block_table") is not None]
+    assert prefill and prefill[0]["sparse_mode"] == 3                  # cumulative lengths, scheduler's order
+    assert prefill[0]["actual_seq_lengths"][-1] == 15 and len(prefill[0]["actual_seq_lengths"]) == 3
+    assert len(paged) == 5 * COMMON["num_hidden_layers"]               # every decode step read the page pool
+    for c in paged:
+        assert c["block_size"] == 4 and c["block_table"].dtype == torch.int32 and c["input_layout"] == "BSH"
+        assert c["k_shape"][1:] == (4, 2 * 16)                          # [num_pages, page_size, KV_N * D]
+    assert sorted(paged[-1]["actual_seq_lengths_kv"]) == [8, 10, 12]    # per request, prompt + 5 tokens
