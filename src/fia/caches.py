@@ -6,7 +6,8 @@ The caches (each made here with a name; `registered()` lists them):
 * backends.choice: the registry's backend choice per parse-memo key (backends/registry.py);
 * decode.plans: the decode backend's plans per parse-memo key and tuning (backends/decode/plan.py);
 * decode.out_layouts, prefill.band_tiles: small pure functions of their arguments (`memoize`);
-* replay.table / replay.seen: the call replays (replay.py), and the lengths-replay keys seen once.
+* replay.table / replay.seen: the call replays (replay.py), and the lengths-replay keys seen once;
+* transformers.mask_plans: the transformers integration's analysis of each attention mask tensor.
 
 Policy: every cache has a size bound and is cleared when full (one rule for all of them). Not least-recently-used
 eviction: the hot path of a cache is a hit -- a parse memo lookup, a plan lookup per small decode call -- and a
@@ -35,9 +36,7 @@ class BoundedCache(dict):
 
     def __init__(self, name: str, limit: int, register: bool = True):
         super().__init__()
-        self.name, self.limit = name, limit
-        if register:
-            _register(self)
+        _name(self, name, limit, register)
 
     def put(self, key: Hashable, value):
         """Store value under key (the cache cleared first when full); returns value."""
@@ -54,9 +53,7 @@ class BoundedSet(set):
 
     def __init__(self, name: str, limit: int, register: bool = True):
         super().__init__()
-        self.name, self.limit = name, limit
-        if register:
-            _register(self)
+        _name(self, name, limit, register)
 
     def put(self, item: Hashable) -> None:
         if len(self) >= self.limit:
@@ -82,8 +79,10 @@ def memoize(name: str, limit: int) -> Callable:
     return wrap
 
 
-def _register(cache) -> None:
-    _REGISTRY[cache.name] = cache           # (a module imported again replaces its caches)
+def _name(cache, name: str, limit: int, register: bool) -> None:
+    cache.name, cache.limit = name, limit
+    if register:
+        _REGISTRY[name] = cache             # (a module imported again replaces its caches)
 
 
 def registered() -> List[Union[BoundedCache, BoundedSet]]:

@@ -45,6 +45,7 @@ import weakref
 import torch
 
 import fia
+from fia.caches import BoundedCache
 
 SUPPORTED_TRANSFORMERS = ">=5.0,<6"
 TESTED_TRANSFORMERS = ("5.24.0",)
@@ -72,7 +73,8 @@ except ImportError as e:                                          # pragma: no c
 check_version(_transformers.__version__)
 
 _templates: dict = {}                 # device -> the 2048x2048 triu template mask of sparse modes 2-4 (SPEC 5)
-_plans: dict = {}                     # id(mask) -> (weakref(mask), key, plan): one analysis per mask tensor
+# id(mask) -> (weakref(mask), key, plan): one analysis per mask tensor, shared by the layers of a forward
+_plans = BoundedCache("transformers.mask_plans", 17)
 
 
 def _template(device) -> torch.Tensor:
@@ -170,9 +172,7 @@ def _mask_plan(mask, q_len: int, kv_len: int, causal: bool, window) -> dict:
     if hit is not None and hit[0]() is mask and hit[1] == key:
         return hit[2]
     plan = _plan_from_mask(_allowed(mask, kv_len), q_len, kv_len, causal, window)
-    if len(_plans) > 16:
-        _plans.clear()
-    _plans[id(mask)] = (weakref.ref(mask), key, plan)
+    _plans.put(id(mask), (weakref.ref(mask), key, plan))
     return plan
 
 
