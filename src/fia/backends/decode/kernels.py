@@ -915,6 +915,21 @@ def exceptional(sc, off, mode, n):
     return bad != 0
 
 
+@njit(fastmath=FM, cache=True, inline="always")
+def exceptional_row(c, sc, off, mode, x8, x16, x32, xfl, kind, xoff, D, dst, offs):
+    """Whether token c's dequant factors are exceptional (past EXC_FACTOR); if so dst[0, :D] = its row dequantized
+    element by element in float32, (x + offset) * scale_c, as the reference does."""
+    o = off[c] if mode == 2 else np.float32(0.0)
+    t = sc[c]
+    if abs(t) * (np.float32(128.0) + abs(o)) <= EXC_FACTOR:
+        return False
+    offs[0] = xoff[c]
+    load_rows(x8, x16, x32, xfl, offs, 1, kind, dst, 0, D)
+    for d in range(D):
+        dst[0, d] = (dst[0, d] + o) * t
+    return True
+
+
 @njit(fastmath=FM, cache=True)
 def exact_key_tokens(s, R, n, sc, off, mode, kbuf, k_kind, koff, qraw, D, scale, kf, offs):
     """The scores s[:R, c] of the chunk's exceptional key tokens c (exceptional), as the reference computes them:
@@ -922,14 +937,8 @@ def exact_key_tokens(s, R, n, sc, off, mode, kbuf, k_kind, koff, qraw, D, scale,
     the rows' query (times dequant_scale_query)."""
     k8, k16, k32, kfl = views(kbuf)
     for c in range(n):
-        o = off[c] if mode == 2 else np.float32(0.0)
-        t = sc[c]
-        if abs(t) * (np.float32(128.0) + abs(o)) <= EXC_FACTOR:
+        if not exceptional_row(c, sc, off, mode, k8, k16, k32, kfl, k_kind, koff, D, kf, offs):
             continue
-        offs[0] = koff[c]
-        load_rows(k8, k16, k32, kfl, offs, 1, k_kind, kf, 0, D)
-        for d in range(D):
-            kf[0, d] = (kf[0, d] + o) * t
         for r in range(R):
             a = np.float32(0.0)
             for d in range(D):
@@ -944,14 +953,8 @@ def exact_value_tokens(s, R, n, sc, off, mode, vbuf, v_kind, voff, Dv, tacc, vf,
     zeroed, so the other paths (weights times scale, offset extras) leave them out."""
     v8, v16, v32, vfl = views(vbuf)
     for c in range(n):
-        o = off[c] if mode == 2 else np.float32(0.0)
-        t = sc[c]
-        if abs(t) * (np.float32(128.0) + abs(o)) <= EXC_FACTOR:
+        if not exceptional_row(c, sc, off, mode, v8, v16, v32, vfl, v_kind, voff, Dv, vf, offs):
             continue
-        offs[0] = voff[c]
-        load_rows(v8, v16, v32, vfl, offs, 1, v_kind, vf, 0, Dv)
-        for d in range(Dv):
-            vf[0, d] = (vf[0, d] + o) * t
         for r in range(R):
             w = s[r, c]
             for d in range(Dv):
