@@ -7,8 +7,8 @@ blocks and the padding tokens of each sequence's last block are poison: NaN in f
 scales, extreme int8 values in int8 caches.
 
 Cases: the GQA C8 decode / MTP path (int8 NZ K/V, bf16 query, per-channel or per-token dequantization, SPEC
-8b.2 a / 14b.5) and MLA fp16 / bf16 NZ K/V with the NZ rope cache (SPEC 8b.2 b / 14b.1), strict mode. The decode
-fast path refuses NZ (its kernels read a key's D values as one row); the torch backend runs those calls.
+8b.2 a / 14b.5) and MLA fp16 / bf16 NZ K/V with the NZ rope cache (SPEC 8b.2 b / 14b.1), strict mode, on every backend (the decode
+fast path packs each chunk's fragments into rows and runs its usual kernels).
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ from util import (assert_close, assert_lse, block_table, gather_paged, gen, out_
 F16, BF16, F32, I8 = torch.float16, torch.bfloat16, torch.float32, torch.int8
 NAN = float("nan")
 
-# the NZ cases run on the backends that gather K / V (the decode backend refuses NZ: see test_decode_refuses_nz)
-pytestmark = pytest.mark.backends("reference", "torch", "prefill")
+# the NZ cases run on every backend that takes paged caches
+pytestmark = pytest.mark.backends("reference", "torch", "prefill", "decode")
 
 
 def to_nz(pool: torch.Tensor, d0: int) -> torch.Tensor:
@@ -173,9 +173,9 @@ def test_mla_nz(layout, n, dt, sq):
 
 # --------------------------------------------------------------------------------------------- dispatch / errors
 @pytest.mark.backend_independent
-def test_decode_refuses_nz_torch_runs_it():
-    """The decode fast path names NZ among its reasons; automatic selection runs the call on the torch backend
-    and gets the forced torch backend's result."""
+def test_decode_selected_for_nz():
+    """Automatic selection runs an NZ decode call on the decode fast path (it packs each chunk's fragments into
+    rows), and its result is the decode backend's ND result bit for bit."""
     g = gen(811)
     lens, bs, n, kvn, d = [150, 40], 128, 10, 1, 128
     table, nb = block_table(lens, bs, g)
@@ -186,11 +186,10 @@ def test_decode_refuses_nz_torch_runs_it():
               value_antiquant_scale=rand_uniform((kvn * d,), g, 0.002, 0.02, BF16))
     q = randn((2, 1, n * d), g, BF16)
     rep = fia.explain(q, to_nz(kpool, 32), to_nz(vpool, 32), **kw)
-    assert any("NZ" in r for r in rep.reasons.get("decode", [])), rep.reasons
-    assert rep.selected == "torch", str(rep)
+    assert rep.selected == "decode", str(rep)
     out = fia.npu_fused_infer_attention_score(q, to_nz(kpool, 32), to_nz(vpool, 32), **kw)[0]
-    with fia.use_backend("torch"):
-        ref = fia.npu_fused_infer_attention_score(q, to_nz(kpool, 32), to_nz(vpool, 32), **kw)[0]
+    with fia.use_backend("decode"), fia.validation_mode("portable"):
+        ref = fia.npu_fused_infer_attention_score(q, nd_cache(kpool, "BSH"), nd_cache(vpool, "BSH"), **kw)[0]
     assert torch.equal(out, ref)
 
 

@@ -73,9 +73,6 @@ class DecodeBackend(Backend):
             ts = list(kv.keys) + list(kv.values) + list(kv.key_ropes or ())
         else:
             ts = [kv.key, kv.value, kv.key_rope]
-        if kv.kind == "paged" and kv.nz:
-            r.append("5-D NZ cache (SPEC 8b): the kernels read a key's D values as one row, NZ splits it into "
-                     "D/D0 fragments block_size*D0 elements apart")
         if p.prefix is not None:
             ts += [p.prefix.key, p.prefix.value]
         if not all(inner_contiguous(t) for t in ts):

@@ -292,6 +292,12 @@ class Source:
         st = t.stride()
         return (st[blk] if blk is not None else 0, st[h], st[s])
 
+    @staticmethod
+    def fragments(t) -> tuple:
+        """(fragment stride, fragment width) in elements of an NZ cache view [NB, H, bs, D/D0, D0] (SPEC 8b),
+        (0, 0) for a cache whose rows are one run."""
+        return (t.stride(3), t.shape[4]) if t is not None and t.dim() == 5 else (0, 0)
+
     def generic(self):
         """None when the IR kernels cover this source (bf16 / fp16 / int8 K and V, head dims multiples of
         16, no rope): the kernel build without the generic paths (see attend_items); else a marker array."""
@@ -313,6 +319,9 @@ class Source:
         ip[K.IP_R_KIND] = kind_of(self.rope) if self.rope is not None else 0
         ip[K.IP_V_BLK], ip[K.IP_V_H], ip[K.IP_V_S] = self.strides(self.value)
         ip[K.IP_V_KIND] = kind_of(self.value)
+        ip[K.IP_K_FS], ip[K.IP_K_FW] = self.fragments(self.key)
+        ip[K.IP_V_FS], ip[K.IP_V_FW] = self.fragments(self.value)
+        ip[K.IP_R_FS], ip[K.IP_R_FW] = self.fragments(self.rope)
         ip[K.IP_KT_MODE], ip[K.IP_KT_BS], ip[K.IP_KT_BLK], ip[K.IP_KT_H], ip[K.IP_KT_S] = self.ktok.ints()
         ip[K.IP_VT_MODE], ip[K.IP_VT_BS], ip[K.IP_VT_BLK], ip[K.IP_VT_H], ip[K.IP_VT_S] = self.vtok.ints()
 

@@ -149,7 +149,9 @@ IP_DP = 58               # kernel choice: DP_* bits below
 # [blocks, block_size, H] cache): then an item covers all of them, chunk by chunk, so that each chunk's rows are
 # read front to back across the heads (DP_TOUCH) instead of one head's 256 bytes every KV_N x 256 (see DP_TOUCH).
 IP_HB = 59
-IP_LEN = 60
+# NZ caches (SPEC 8b): a row's D elements are D / FW fragments of FW elements, FS elements apart (FS = 0: one run)
+(IP_K_FS, IP_K_FW, IP_V_FS, IP_V_FW, IP_R_FS, IP_R_FW) = (60, 61, 62, 63, 64, 65)
+IP_LEN = 66
 # rows of the per-batch geometry array geo [GEO_LEN, B]
 GEO_QLO, GEO_QHI, GEO_S2, GEO_PRE, GEO_NEXT, GEO_JOFS, GEO_QBASE, GEO_QRBASE = range(8)
 GEO_LEN = 8
@@ -182,6 +184,19 @@ def _fetch_add(typingctx, arr, idx, val):
         ary = context.make_array(aryty)(context, builder, args[0])
         ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]])
         return builder.atomic_rmw("add", ptr, args[2], "monotonic")
+    return sig, codegen
+
+
+@intrinsic
+def _copy32(typingctx, dst, src):
+    """Copy the 32 bytes at address src to address dst (one unaligned vector load and store)."""
+    sig = types.void(types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        vt = ir.VectorType(ir.IntType(8), 32).as_pointer()
+        v = builder.load(builder.inttoptr(args[1], vt), align=1)
+        builder.store(v, builder.inttoptr(args[0], vt), align=1)
+        return context.get_dummy_value()
     return sig, codegen
 
 
@@ -769,6 +784,50 @@ def softmax_chunk(s, R, n, m, ll, vx, acc, Dv, p2, mode, wsc, kshift, cll, cvx, 
     return ok
 
 
+@njit(fastmath=FM, cache=True)
+def nz_pack(buf, offs, n, es, d, fs, fw, dst):
+    """The n rows at element offsets offs[c] of an NZ cache (SPEC 8b: a row is d / fw fragments of fw elements
+    of es bytes, fs elements apart) copied side by side into the byte scratch dst; offs[c] becomes row c's
+    element offset there. Every kernel then reads them as the rows of an ND cache: the same sums in the same
+    order (NZ results equal the 4-D cache's), for one copy of the chunk through L1."""
+    fb = fw * es
+    nf = d // fw
+    rb = d * es
+    fsb = fs * es
+    src = buf.ctypes.data
+    out = dst.ctypes.data
+    if fb == 32 and nf <= 8:                           # every NZ cache of SPEC 8b: 32 int8 or 16 bf16 / fp16;
+        for c in range(n):                             # row by row for few fragments (int8 D = 128: 1.5x the
+            o = src + offs[c] * es                     # rate of columns outside), else column by column (MLA
+            t = out + c * rb                           # D = 512: 32 streams; 1.3x the rate of rows outside)
+            for f in range(nf):
+                _copy32(t + f * 32, o + f * fsb)
+    elif fb == 32:
+        for f in range(nf):
+            for c in range(n):
+                _copy32(out + c * rb + f * 32, src + offs[c] * es + f * fsb)
+    else:
+        for c in range(n):
+            b0 = np.uint64(offs[c] * es)
+            t0 = np.uint64(c * rb)
+            for f in range(np.uint64(nf)):
+                for j in range(np.uint64(fb)):
+                    dst[t0 + f * np.uint64(fb) + j] = buf[b0 + f * np.uint64(fsb) + j]
+    for c in range(n):
+        offs[c] = c * d
+
+
+@njit(fastmath=FM, cache=True, inline="always")
+def nz_lines(offs, n, d, fw, fs):
+    """The kernels' prefetch rows for n NZ rows at element offsets offs[c] (rewritten in place): row p becomes
+    the d elements of fragment column p % (d / fw) of rows p - p % (d / fw) .. (a run of d / fw slots, side by side
+    in a block), so that requesting n "rows" of d elements requests every fragment of the n rows."""
+    nf = d // fw
+    for p in range(n):
+        f = p % nf
+        offs[p] = offs[p - f] + f * fs
+
+
 # ---------------------------------------------------------------------------------------------- the pass
 @njit(fastmath=FM, cache=True, inline="always")
 def row_offsets(tbl, i, c0, n, bs, s_blk, base, s_s, dst):
@@ -1076,7 +1135,7 @@ def kernel_flags(ip):
 def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbuf,
           kt_tbl, kts, kto, vt_tbl, vts, vto, pse, mask, po, pm, pl, pany,
           qvh, qah, qsh, rb, rnh, rs, tmp, offs, kf, vf, s, vxh, koff, voff, roff, tsk, tok, tsv, tov, q2h, p2, knext,
-          isch, i8q, sinks, generic, tacc, cacc, cll, cvx, qerr, qraw, stats):
+          isch, i8q, sinks, generic, tacc, cacc, cll, cvx, qerr, qraw, stats, kscr, vscr, rscr, vlines):
     """The items of `items` (w * (KV_N / HB) + h / HB) this thread claims through `counter`, one after another. The
     claim loop is here, not in the caller: numba reference-counts every array argument of a call (an atomic
     add at entry and exit), and per item the ~47 arrays of this function were ~100 atomics, ~0.5 us per item
@@ -1121,6 +1180,11 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
     fma_pv = (kf_ & KF_FMA_PV) != 0
     eo_qk = (kf_ & KF_EO_QK) != 0
     eo_pv = (kf_ & KF_EO_PV) != 0
+    # NZ sources: each chunk's rows are packed into kscr / vscr / rscr (nz_pack) and read there; the other stream's
+    # prefetch rows are the chunk's fragment runs (nz_lines), the kernels' own rows ahead are off (in scratch)
+    k_fs = ip[IP_K_FS]
+    v_fs = ip[IP_V_FS]
+    r_fs = ip[IP_R_FS]
     k_blk = ip[IP_K_BLK]
     k_h = ip[IP_K_H]
     k_s = ip[IP_K_S]
@@ -1143,9 +1207,9 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
     if (kf_ & KF_NTA) != 0:                            # prefetchnta instead of t1 (see DP_NTA)
         k_es += PF_NTA
         v_es += PF_NTA
-    if (kf_ & KF_AHEAD_K) != 0:                        # QK's own K rows ahead (see DP_AHEAD)
+    if (kf_ & KF_AHEAD_K) != 0 and k_fs == 0:                        # QK's own K rows ahead (see DP_AHEAD)
         v_es += PF_AHEAD * min(63, max(1, AHEAD_BYTES // ((k_es & 255) * k_row)))
-    if (kf_ & KF_AHEAD_V) != 0:                        # PV's own V rows ahead
+    if (kf_ & KF_AHEAD_V) != 0 and v_fs == 0:                        # PV's own V rows ahead
         k_es += PF_AHEAD * min(63, max(1, AHEAD_BYTES // ((v_es & 255) * v_row)))
     kt_mode = ip[IP_KT_MODE] if k_kind != KIND_FP4 else 0   # FP4: the KT / VT slots hold the group scales
     vt_mode = ip[IP_VT_MODE] if v_kind != KIND_FP4 else 0   # (applied by fp4_rows, not per token)
@@ -1314,6 +1378,23 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
                 row_offsets(tbl, i, c0, n, bs, v_blk, h * v_h, v_s, voff)
                 if Dr > 0:
                     row_offsets(tbl, i, c0, n, bs, r_blk, h * r_h, r_s, roff)
+                kbu = kbuf
+                vbu = vbuf
+                vpf = voff                                 # the V rows QK requests on the way (NZ: their runs)
+                rbu = rbuf
+                if k_fs != 0:
+                    nz_pack(kbuf, koff, n, k_es_, D, k_fs, ip[IP_K_FW], kscr)
+                    kbu = kscr
+                if Dr > 0 and r_fs != 0:
+                    r_es_, _ = elem_layout(r_kind, Dr)
+                    nz_pack(rbuf, roff, n, r_es_, Dr, r_fs, ip[IP_R_FW], rscr)
+                    rbu = rscr
+                if v_fs != 0:
+                    if pf:
+                        for c in range(n):
+                            vlines[c] = voff[c]
+                        nz_lines(vlines, n, Dv, ip[IP_V_FW], v_fs)
+                        vpf = vlines
                 if kt_mode != 0:
                     token_scales(kt_tbl, i, h, c0, n, ip[IP_KT_BS], ip[IP_KT_BLK], ip[IP_KT_H], ip[IP_KT_S],
                                  kt_mode, kts, kto, tsk, tok)
@@ -1329,42 +1410,42 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
                     if amx_qk:
                         n0 = n & ~15
                         for r0 in range(0, R, QK_MAX_ROWS):
-                            qk_amx(q2.ctypes.data + r0 * q2.shape[1] * 2, q2.shape[1] * 2, kbuf.ctypes.data,
+                            qk_amx(q2.ctypes.data + r0 * q2.shape[1] * 2, q2.shape[1] * 2, kbu.ctypes.data,
                                    koff.ctypes.data, n0, s.ctypes.data + r0 * s.shape[1] * 4, s.shape[1],
-                                   min(QK_MAX_ROWS, R - r0), D, scale, vbuf.ctypes.data, voff.ctypes.data,
+                                   min(QK_MAX_ROWS, R - r0), D, scale, vbuf.ctypes.data, vpf.ctypes.data,
                                    n0 if pf and r0 == 0 else 0, v_row, v_es)
                     if n0 < n:
-                        qk_dp(q2.ctypes.data, q2.shape[1] * 2, kbuf.ctypes.data, koff.ctypes.data + 8 * n0, n - n0,
+                        qk_dp(q2.ctypes.data, q2.shape[1] * 2, kbu.ctypes.data, koff.ctypes.data + 8 * n0, n - n0,
                               s.ctypes.data + 4 * n0, s.shape[1], R, D, scale, vbuf.ctypes.data,
-                              voff.ctypes.data + 8 * n0, n - n0 if pf else 0, v_row, v_es)
+                              vpf.ctypes.data + 8 * n0, n - n0 if pf else 0, v_row, v_es)
                 elif i8_qk and (kt_mode == 0 or _i8_tokens_ok(qerr[hh], tsk, n)):
                     n_i8 += 1
-                    qk_i8(q2.ctypes.data, q2.shape[1] * 2, kbuf.ctypes.data, koff.ctypes.data, n, s.ctypes.data,
-                          s.shape[1], R, D, isc.ctypes.data, vbuf.ctypes.data, voff.ctypes.data, n if pf else 0,
+                    qk_i8(q2.ctypes.data, q2.shape[1] * 2, kbu.ctypes.data, koff.ctypes.data, n, s.ctypes.data,
+                          s.shape[1], R, D, isc.ctypes.data, vbuf.ctypes.data, vpf.ctypes.data, n if pf else 0,
                           v_row, v_es)
                 elif fma_qk or generic is None:
                     # (the build without generic paths: numba prunes every other branch when `generic` is None,
                     # which keeps the first-call compile time down)
-                    qk_fma(qv.ctypes.data, qv.shape[1] * 4, kbuf.ctypes.data, KIND_BF16_EO if eo_qk else k_kind,
+                    qk_fma(qv.ctypes.data, qv.shape[1] * 4, kbu.ctypes.data, KIND_BF16_EO if eo_qk else k_kind,
                            koff.ctypes.data, n, s.ctypes.data,
-                           s.shape[1], R, D, vbuf.ctypes.data, voff.ctypes.data, n if pf else 0, v_row, v_es)
+                           s.shape[1], R, D, vbuf.ctypes.data, vpf.ctypes.data, n if pf else 0, v_row, v_es)
                 elif Dr == 0 and k_kind == KIND_BF16:
-                    qk_fused(qv, views(kbuf)[1], k_kind, koff, n, s, R, D)
+                    qk_fused(qv, views(kbu)[1], k_kind, koff, n, s, R, D)
                 elif Dr == 0 and k_kind == KIND_FP16:
-                    qk_fused(qv, views(kbuf)[1].view(np.int16), k_kind, koff, n, s, R, D)
+                    qk_fused(qv, views(kbu)[1].view(np.int16), k_kind, koff, n, s, R, D)
                 elif Dr == 0 and k_kind == KIND_I8:
-                    qk_fused(qv, views(kbuf)[0], k_kind, koff, n, s, R, D)
+                    qk_fused(qv, views(kbu)[0], k_kind, koff, n, s, R, D)
                 elif k_kind == KIND_FP4:     # the chunk as bf16 (knext: group scales, then rows), then qk_fma
                     row_offsets(kt_tbl, i, c0, n, ip[IP_KT_BS], ip[IP_KT_BLK], h * ip[IP_KT_H], ip[IP_KT_S], knext)
-                    fp4_rows(kbuf, koff, n, kgs, knext, kf16, D, knext)
+                    fp4_rows(kbu, koff, n, kgs, knext, kf16, D, knext)
                     qk_fma(qv.ctypes.data, qv.shape[1] * 4, kf16.ctypes.data, KIND_BF16, knext.ctypes.data, n,
-                           s.ctypes.data, s.shape[1], R, D, vbuf.ctypes.data, voff.ctypes.data, n if pf else 0, v_row,
+                           s.ctypes.data, s.shape[1], R, D, vbuf.ctypes.data, vpf.ctypes.data, n if pf else 0, v_row,
                            v_es)
                 else:
-                    k8, k16, k32, kfl = views(kbuf)
+                    k8, k16, k32, kfl = views(kbu)
                     load_rows(k8, k16, k32, kfl, koff, n, k_kind, kf, 0, D)
                     if Dr > 0:
-                        r8, r16, r32, rfl = views(rbuf)
+                        r8, r16, r32, rfl = views(rbu)
                         load_rows(r8, r16, r32, rfl, roff, n, r_kind, kf, D, Dr)
                     qk_block(qv, kf, s, R, n, dq)
                 if kt_mode != 0:
@@ -1373,7 +1454,7 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
                         for c in range(n_):
                             s[r, c] = (s[r, c] + tok[c] * qsr) * tsk[c]
                     if Dr == 0 and exceptional(tsk, tok, kt_mode, n):
-                        exact_key_tokens(s, R, n, tsk, tok, kt_mode, kbuf, k_kind, koff, qraw[hh], D, scale, kf, offs)
+                        exact_key_tokens(s, R, n, tsk, tok, kt_mode, kbu, k_kind, koff, qraw[hh], D, scale, kf, offs)
                 elif kc_mode == 2:
                     for r in range(R):
                         qar = qa[r]
@@ -1422,10 +1503,13 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
                 # ---- online softmax over the chunk (and the bf16 probabilities of pv_dp)
                 sm_mode = 1 if dp_pv else (2 if i8_pv and vt_mode == 0 else 0)
                 fused = softmax_chunk(s, R, n, m, ll, vx, acc, Dv, p2, sm_mode, isc[1], kshift, cll, cvx, cacc, hh)
+                if v_fs != 0:                              # (after QK, which requested its fragments)
+                    nz_pack(vbuf, voff, n, v_es_, Dv, v_fs, ip[IP_V_FW], vscr)
+                    vbu = vscr
                 # ---- V chunk -> tacc (zero here), then into the block's sums cacc[hh]
                 if vt_mode != 0:
                     if exceptional(tsv, tov, vt_mode, n):
-                        exact_value_tokens(s, R, n, tsv, tov, vt_mode, vbuf, v_kind, voff, Dv, tacc, vf, offs)
+                        exact_value_tokens(s, R, n, tsv, tov, vt_mode, vbu, v_kind, voff, Dv, tacc, vf, offs)
                     for r in range(R):
                         for c in range(n_):
                             s[r, c] *= tsv[c]
@@ -1441,36 +1525,38 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
                     if pv_k and c0 + C < hi:
                         nn = min(C, hi - c0 - C)
                         row_offsets(tbl, i, c0 + C, nn, bs, k_blk, h * k_h, k_s, knext)
+                        if k_fs != 0:
+                            nz_lines(knext, nn, D, ip[IP_K_FW], k_fs)
                     if dp_pv:
                         n0 = n & ~15 if amx_pv else 0            # AMX: the whole 16-key blocks (they prefetch)
                         if n0 > 0:
-                            pv_amx(p2.ctypes.data, p2.shape[1] * 2, vbuf.ctypes.data, voff.ctypes.data, n0,
+                            pv_amx(p2.ctypes.data, p2.shape[1] * 2, vbu.ctypes.data, voff.ctypes.data, n0,
                                    tacc.ctypes.data, Dv, R, Dv, kbuf.ctypes.data, knext.ctypes.data, nn, k_row, k_es)
                             nn = 0
                         if n0 < n:
-                            pv_dp(p2.ctypes.data + 2 * n0, p2.shape[1] * 2, vbuf.ctypes.data,
+                            pv_dp(p2.ctypes.data + 2 * n0, p2.shape[1] * 2, vbu.ctypes.data,
                                   voff.ctypes.data + 8 * n0, n - n0, tacc.ctypes.data, Dv, R, Dv, kbuf.ctypes.data,
                                   knext.ctypes.data, nn, k_row, k_es)
                     elif use_i8:
-                        pv_i8(p2.ctypes.data, p2.shape[1] * 2, vbuf.ctypes.data, voff.ctypes.data, n, tacc.ctypes.data,
+                        pv_i8(p2.ctypes.data, p2.shape[1] * 2, vbu.ctypes.data, voff.ctypes.data, n, tacc.ctypes.data,
                               Dv, R, Dv, isc.ctypes.data + 4 * R, kbuf.ctypes.data, knext.ctypes.data, nn, k_row, k_es)
                     else:
-                        pv_fma(s.ctypes.data, s.shape[1] * 4, vbuf.ctypes.data, KIND_BF16_EO if eo_pv else v_kind,
+                        pv_fma(s.ctypes.data, s.shape[1] * 4, vbu.ctypes.data, KIND_BF16_EO if eo_pv else v_kind,
                                voff.ctypes.data, n,
                                tacc.ctypes.data, Dv, R, Dv, kbuf.ctypes.data, knext.ctypes.data, nn, k_row, k_es)
                 elif v_kind == KIND_BF16:
-                    pv_fused(s, views(vbuf)[1], v_kind, voff, n, tacc, R, Dv)
+                    pv_fused(s, views(vbu)[1], v_kind, voff, n, tacc, R, Dv)
                 elif v_kind == KIND_FP16:
-                    pv_fused(s, views(vbuf)[1].view(np.int16), v_kind, voff, n, tacc, R, Dv)
+                    pv_fused(s, views(vbu)[1].view(np.int16), v_kind, voff, n, tacc, R, Dv)
                 elif v_kind == KIND_I8:
-                    pv_fused(s, views(vbuf)[0], v_kind, voff, n, tacc, R, Dv)
+                    pv_fused(s, views(vbu)[0], v_kind, voff, n, tacc, R, Dv)
                 elif v_kind == KIND_FP4:     # as K (roff: unused without rope, which FP4 never has)
                     row_offsets(vt_tbl, i, c0, n, ip[IP_VT_BS], ip[IP_VT_BLK], h * ip[IP_VT_H], ip[IP_VT_S], roff)
-                    fp4_rows(vbuf, voff, n, vgs, roff, vf16, Dv, roff)
+                    fp4_rows(vbu, voff, n, vgs, roff, vf16, Dv, roff)
                     pv_fma(s.ctypes.data, s.shape[1] * 4, vf16.ctypes.data, KIND_BF16, roff.ctypes.data, n,
                            tacc.ctypes.data, Dv, R, Dv, kbuf.ctypes.data, knext.ctypes.data, 0, k_row, k_es)
                 else:
-                    v8, v16, v32, vfl = views(vbuf)
+                    v8, v16, v32, vfl = views(vbu)
                     load_rows(v8, v16, v32, vfl, voff, n, v_kind, vf, 0, Dv)
                     pv_block(s, vf, tacc, R, n, Dv)
                 drain_chunk(cacc, hh, tacc, R, Dv)
@@ -1548,10 +1634,14 @@ def attend_items(items, counter, ip, fp, geo, work, tbl, bufs, kchan, kt_tbl, vt
     cvx = np.zeros((HB, R), np.float32)
     qerr = np.zeros(HB, np.float32)             # the int16 query's score error per unit key scale (I8_QK_MAX_ERR)
     qraw = np.zeros((HB, R, ip[IP_D] if ip[IP_KT_MODE] != 0 else 0), np.float32)   # exact_key_tokens' query
+    kscr = np.empty(C * ip[IP_D] * elem_layout(ip[IP_K_KIND], 1)[0] if ip[IP_K_FS] != 0 else 0, np.uint8)  # nz_pack
+    vscr = np.empty(C * Dv * elem_layout(ip[IP_V_KIND], 1)[0] if ip[IP_V_FS] != 0 else 0, np.uint8)
+    rscr = np.empty(C * ip[IP_DR] * elem_layout(ip[IP_R_KIND], 1)[0] if ip[IP_R_FS] != 0 else 0, np.uint8)
     _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf, rbuf, vbuf,
            kt_tbl, kts, kto, vt_tbl, vts, vto, pse, mask, po, pm, pl, pany,
            qv, qa, qs, rb, rn, rs, tmp, offs, kf, vf, s, vx, koff, voff, roff, tsk, tok, tsv, tov, q2, p2, knext,
-           isc, i8q, sinks, generic, tacc, cacc, cll, cvx, qerr, qraw, stats)
+           isc, i8q, sinks, generic, tacc, cacc, cll, cvx, qerr, qraw, stats, kscr, vscr, rscr,
+           np.zeros(C, np.int64))
 
 
 # ---------------------------------------------------------------------------------------------- planning
