@@ -23,7 +23,7 @@ LAYERS = [
     ("fia.finalize", "fia.merge", "fia.outvariants", "fia.replay", "fia.eager"),
     ("fia.graph", "fia.api", "fia.aclnn", "fia.dispatch_report", "fia.kernel_warmup", "fia.torch_npu",
      "fia.__main__", "fia"),
-    ("fia.bench", "fia.integrations"),
+    ("fia.bench", "fia.integrations", "fia.distributed"),
 ]
 
 
