@@ -106,6 +106,41 @@ def test_oracle_matches_torch_definitions():
 
 
 # ---------------------------------------------------------------------------------------------- dense
+def _group_forms():
+    from fia.cpu import fp4 as F
+    return [("arith", F.fp4_group_arith)] + ([("permw", F.fp4_group_permw)] if F._PERMW else [])
+
+
+@pytest.mark.backend_independent
+@pytest.mark.parametrize("form", [f[0] for f in _group_forms()])
+def test_group_decoder_bytes(form):
+    """The decode kernels' 16-byte -> 32-bf16 group decoder (cpu/fp4.py; both forms where the CPU runs them) equals
+    the float64 oracle rounded to bf16 for every byte and scales across the whole E8M0 range (0: subnormal, 255: NaN)."""
+    import numpy as np
+    from numba import njit
+    fn = dict(_group_forms())[form]
+
+    @njit
+    def run(src, exps, dst):
+        for gi in range(exps.shape[0]):
+            s = np.float32(np.nan) if exps[gi] == 255 else (
+                np.float32(2.0 ** -127) if exps[gi] == 0 else np.float32(2.0) ** np.float32(np.int32(exps[gi]) - 127))
+            fn(dst.ctypes.data + 64 * gi, src.ctypes.data + 16 * gi, s)
+
+    g = gen(7301)
+    exps = torch.cat([torch.tensor([0, 1, 2, 126, 127, 128, 253, 254, 255], dtype=torch.uint8),
+                      torch.randint(0, 256, (55,), generator=g, dtype=torch.uint8)])
+    codes = torch.randint(0, 256, (exps.numel(), 16), generator=g, dtype=torch.uint8)
+    codes[0] = torch.arange(0, 256, 16, dtype=torch.uint8) + torch.arange(16, dtype=torch.uint8)   # every nibble
+    out = np.full(exps.numel() * 32, 0x7FC1, np.uint16)                                          # NaN poison
+    run(codes.numpy().copy(), exps.numpy().copy(), out)
+    got = torch.from_numpy(out.view(np.int16)).view(torch.bfloat16).reshape(exps.numel(), 32)
+    want = (fp4_values(codes) * e8m0_values(exps)[:, None]).to(torch.bfloat16)
+    assert torch.equal(got.isnan(), want.isnan())
+    ok = ~want.isnan()
+    assert torch.equal(got[ok].view(torch.int16), want[ok].view(torch.int16))
+
+
 @pytest.mark.case(q_s=1)
 @pytest.mark.parametrize("dt", ["fp16", "bf16"])
 @pytest.mark.parametrize("layout", ["BSH", "BSND", "BNSD"])

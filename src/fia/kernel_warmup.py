@@ -20,6 +20,14 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 
+def _kernel_flags() -> None:
+    """kernels.kernel_flags as fia.explain calls it (explain names the kernels only once the set is built, so its
+    call above does not compile it in the build itself)."""
+    import numpy as np
+    from .backends.decode import kernels as K
+    K.kernel_flags(np.zeros(K.IP_LEN, np.int64))
+
+
 def _decode_calls(generic: bool = False) -> List[Callable[[], object]]:
     import fia
     g = torch.Generator().manual_seed(0)
@@ -47,7 +55,8 @@ def _decode_calls(generic: bool = False) -> List[Callable[[], object]]:
         calls.append(lambda: f(q, k, v, **dense))
     for n in (700, 701, 702):                                                 # a decode loop: the lengths replay
         calls.append(lambda n=n: f(q, k, v, actual_seq_lengths_kv=[n, 2 * n], **dense))
-    calls.append(lambda: fia.explain(q, k, v, **dense))                       # the kernel names
+    calls.append(lambda: fia.explain(q, k, v, **dense))
+    calls.append(_kernel_flags)                                               # the kernel names (fia.explain)
     calls.append(lambda: f(qf, k8, v8, **chan))                               # int8 factors
     calls.append(lambda: f(qf, k8, v8, **tok))                                # per-token factors
     for n in (300, 301, 302):

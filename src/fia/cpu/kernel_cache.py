@@ -21,9 +21,9 @@ PACKAGE = Path(__file__).resolve().parent.parent          # src/fia
 
 # kernel module (path in the package) -> the files whose code its compiled functions embed
 DEPENDENCIES = {
-    "backends/decode/kernels.py": ("cpu/simd.py", "cpu/fma.py", "cpu/vnni.py", "cpu/amx.py"),
+    "backends/decode/kernels.py": ("cpu/simd.py", "cpu/fma.py", "cpu/vnni.py", "cpu/amx.py", "cpu/fp4.py"),
     "backends/prefill/kernels.py": ("backends/decode/kernels.py", "cpu/simd.py", "cpu/fma.py", "cpu/vnni.py",
-                                    "cpu/amx.py", "cpu/gemm.py"),
+                                    "cpu/amx.py", "cpu/gemm.py", "cpu/fp4.py"),
     "backends/prefill/pse_kernels.py": (),
 }
 

@@ -42,11 +42,14 @@ from numba.extending import intrinsic, overload
 
 from ...cpu.amx import HAS_AMX, PV_MAX_DV, QK_MAX_CHUNKS, QK_MAX_ROWS, pv_amx, qk_amx
 from ...cpu.fma import F16C, KIND_BF16_EO, NARROW, pv_fma, qk_fma
+from ...cpu.fp4 import fp4_group_bf16
 from ...cpu import kernel_cache
 from ...cpu.simd import (HAS_DP, KIND_BF16, KIND_F32, KIND_FP16, KIND_I4, KIND_I8, PF_AHEAD, PF_NTA, exp_rows,
     max_f32, pv_dp, qk_dp, target_has)
 from ...cpu.vnni import HAS_VNNI, I8_DOT, QK_MAX_D, pv_i8, qk_i8  # noqa: F401 - I8_DOT for fia.explain
 
+# FP4 K / V rows decoded to bf16 at a time before the dp kernels run on them: 64 rows of D = 128 (16 KB) stay in L1
+FP4_SUB = 64
 # FP4 E2M1 K / V (antiquant mode 6, SPEC 10b.1): two values a byte, low nibble first, decoded per row by fp4_rows
 # with their per-token-group FLOAT8_E8M0 scales (which travel in the per-token slots: IP_KT_* / BUF_KTS, IP_VT_* /
 # BUF_VTS, one byte per 32 channels); the generic loops run them (cpu.fma.KIND_BF16_EO is 5)
@@ -396,15 +399,6 @@ def load_rows(b8, b16, b32, bf, offs, nr, kind, dst, d0, n):
 
 
 @njit(fastmath=FM, cache=True, inline="always")
-def e2m1_to_f32(c):
-    """FP4 E2M1 code (0..15; bit 3 sign, bits 2-1 exponent with bias 1, bit 0 mantissa) -> float32, by its bits:
-    magnitude code m >= 2 is exponent (m >> 1) + 126 with mantissa bit m & 1, i.e. (m + 252) << 22; 1 is 0.5."""
-    m = c & np.uint32(7)
-    mag = np.uint32(0) if m == 0 else (np.uint32(252 << 22) if m == 1 else (m + np.uint32(252)) << np.uint32(22))
-    return _u32_as_f32(((c & np.uint32(8)) << np.uint32(28)) | mag)
-
-
-@njit(fastmath=FM, cache=True, inline="always")
 def e8m0_to_f32(e):
     """FLOAT8_E8M0 byte -> 2^(e - 127) as float32 (0 -> 2^-127, a subnormal; 0xFF -> NaN)."""
     u = np.uint32(e)
@@ -412,27 +406,20 @@ def e8m0_to_f32(e):
 
 
 @njit(fastmath=FM, cache=True)
-def fp4_rows(b8, offs, nr, sc8, soffs, dst, n, rows):
-    """Row c < nr of dst (bf16 bits, rows n apart) = e2m1(value) * 2^(E - 127) for the n FP4 values at byte offset
-    offs[c] of b8 (value 2k in the low, 2k + 1 in the high nibble of byte k) and their E8M0 exponents E, one per 32
+def fp4_rows(b8, offs, c0, nr, sc8, soffs, dst, n, rows):
+    """Row c - c0 of dst (bf16 bits, rows n apart), c0 <= c < c0 + nr, = e2m1(value) * 2^(E - 127) for the n FP4
+    values at byte offset offs[c] of b8 (value 2k in the low, 2k + 1 in the high nibble of byte k) and their E8M0 exponents E, one per 32
     values, at byte offset soffs[c] of sc8 (SPEC 10b.1); rows[c] = its element offset (for qk_fma / pv_fma). Exact in
-    bf16: the float32 product has at most two significant bits (0, NaN and inf included). Unsigned indices, as
-    load_rows."""
-    ng = np.uint64(n // 32)
-    for c in range(nr):
-        o = np.uint64(offs[c])
+    bf16: the float32 product has at most two significant bits (0, NaN and inf included)."""
+    ng = n // 32
+    src = b8.ctypes.data
+    out = dst.ctypes.data
+    for c in range(c0, c0 + nr):
+        o = src + offs[c]
         so = np.uint64(soffs[c])
-        base = np.uint64(c) * np.uint64(n)
-        for gi in range(ng):
-            f = e8m0_to_f32(sc8[so + gi])
-            ob = o + gi * np.uint64(16)
-            d0 = base + gi * np.uint64(32)
-            for k in range(np.uint64(16)):
-                x = np.uint32(b8[ob + k])
-                lo = _f32_as_u32(e2m1_to_f32(x & np.uint32(15)) * f)
-                hi = _f32_as_u32(e2m1_to_f32(x >> np.uint32(4)) * f)
-                dst[d0 + np.uint64(2) * k] = np.uint16(lo >> np.uint32(16))
-                dst[d0 + np.uint64(2) * k + np.uint64(1)] = np.uint16(hi >> np.uint32(16))
+        base = (c - c0) * n
+        for gi in range(ng):                            # 16 bytes -> 32 bf16 (cpu/fp4.py)
+            fp4_group_bf16(out + 2 * (base + 32 * gi), o + 16 * gi, e8m0_to_f32(sc8[so + np.uint64(gi)]))
         rows[c] = np.int64(base)
 
 
@@ -1083,10 +1070,13 @@ def kernel_flags(ip):
     v_kind = ip[IP_V_KIND]
     f = 0
     # bf16 dot-product kernels (cpu/simd.py): raw bf16 query bits in q2, the scale applied to the scores
-    if ((ip[IP_DP] & DP_QK) != 0 and k_kind == KIND_BF16 and ip[IP_Q_KIND] == KIND_BF16 and Dr == 0
-            and ip[IP_KC_MODE] == 0 and ip[IP_QD] == 0 and ip[IP_KT_MODE] == 0 and D % 32 == 0):
+    # (FP4 K / V too: each chunk decoded to exact bf16 rows first, fp4_rows; their KT / VT slots hold group scales)
+    if ((ip[IP_DP] & DP_QK) != 0 and ip[IP_Q_KIND] == KIND_BF16 and Dr == 0 and ip[IP_KC_MODE] == 0
+            and ip[IP_QD] == 0 and D % 32 == 0
+            and ((k_kind == KIND_BF16 and ip[IP_KT_MODE] == 0) or k_kind == KIND_FP4)):
         f |= KF_DP_QK
-    if (ip[IP_DP] & DP_PV) != 0 and v_kind == KIND_BF16 and ip[IP_VT_MODE] == 0 and Dv % 64 == 0:
+    if ((ip[IP_DP] & DP_PV) != 0 and Dv % 64 == 0
+            and ((v_kind == KIND_BF16 and ip[IP_VT_MODE] == 0) or v_kind == KIND_FP4)):
         f |= KF_DP_PV
     # ... their 16-key blocks on AMX tiles (cpu/amx.py; query rows in groups of 16 for QK)
     amx = (ip[IP_DP] & DP_AMX) != 0 and (ip[IP_R] >= AMX_MIN_ROWS or (ip[IP_DP] & DP_AMX_ANY) != 0)
@@ -1406,16 +1396,35 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
                 if dp_qk:
                     # V rows of the same keys are requested on the way. AMX: the whole 16-key blocks, 16 query rows
                     # at a time (the first group prefetches), then the rest of the keys as below
-                    n0 = 0
+                    ka = kbu.ctypes.data
+                    ko = koff
+                    fp4_sub = k_kind == KIND_FP4 and not amx_qk
+                    if k_kind == KIND_FP4:                 # the chunk as bf16 rows (knext: group scales, then rows)
+                        row_offsets(kt_tbl, i, c0, n, ip[IP_KT_BS], ip[IP_KT_BLK], h * ip[IP_KT_H], ip[IP_KT_S],
+                                    knext)
+                        ka = kf16.ctypes.data
+                        ko = knext
+                        if not fp4_sub:
+                            fp4_rows(kbu, koff, 0, n, kgs, knext, kf16, D, knext)
+                    n0 = n
+                    if fp4_sub:                            # FP4_SUB rows decoded at a time: they stay in L1
+                        for c1 in range(0, n, FP4_SUB):
+                            m1 = min(FP4_SUB, n - c1)
+                            fp4_rows(kbu, koff, c1, m1, kgs, knext, kf16, D, knext)
+                            qk_dp(q2.ctypes.data, q2.shape[1] * 2, ka, ko.ctypes.data + 8 * c1, m1,
+                                  s.ctypes.data + 4 * c1, s.shape[1], R, D, scale, vbuf.ctypes.data,
+                                  vpf.ctypes.data + 8 * c1, m1 if pf else 0, v_row, v_es)
+                    else:
+                        n0 = 0
                     if amx_qk:
                         n0 = n & ~15
                         for r0 in range(0, R, QK_MAX_ROWS):
-                            qk_amx(q2.ctypes.data + r0 * q2.shape[1] * 2, q2.shape[1] * 2, kbu.ctypes.data,
-                                   koff.ctypes.data, n0, s.ctypes.data + r0 * s.shape[1] * 4, s.shape[1],
+                            qk_amx(q2.ctypes.data + r0 * q2.shape[1] * 2, q2.shape[1] * 2, ka,
+                                   ko.ctypes.data, n0, s.ctypes.data + r0 * s.shape[1] * 4, s.shape[1],
                                    min(QK_MAX_ROWS, R - r0), D, scale, vbuf.ctypes.data, vpf.ctypes.data,
                                    n0 if pf and r0 == 0 else 0, v_row, v_es)
                     if n0 < n:
-                        qk_dp(q2.ctypes.data, q2.shape[1] * 2, kbu.ctypes.data, koff.ctypes.data + 8 * n0, n - n0,
+                        qk_dp(q2.ctypes.data, q2.shape[1] * 2, ka, ko.ctypes.data + 8 * n0, n - n0,
                               s.ctypes.data + 4 * n0, s.shape[1], R, D, scale, vbuf.ctypes.data,
                               vpf.ctypes.data + 8 * n0, n - n0 if pf else 0, v_row, v_es)
                 elif i8_qk and (kt_mode == 0 or _i8_tokens_ok(qerr[hh], tsk, n)):
@@ -1437,7 +1446,7 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
                     qk_fused(qv, views(kbu)[0], k_kind, koff, n, s, R, D)
                 elif k_kind == KIND_FP4:     # the chunk as bf16 (knext: group scales, then rows), then qk_fma
                     row_offsets(kt_tbl, i, c0, n, ip[IP_KT_BS], ip[IP_KT_BLK], h * ip[IP_KT_H], ip[IP_KT_S], knext)
-                    fp4_rows(kbu, koff, n, kgs, knext, kf16, D, knext)
+                    fp4_rows(kbu, koff, 0, n, kgs, knext, kf16, D, knext)
                     qk_fma(qv.ctypes.data, qv.shape[1] * 4, kf16.ctypes.data, KIND_BF16, knext.ctypes.data, n,
                            s.ctypes.data, s.shape[1], R, D, vbuf.ctypes.data, vpf.ctypes.data, n if pf else 0, v_row,
                            v_es)
@@ -1528,14 +1537,31 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
                         if k_fs != 0:
                             nz_lines(knext, nn, D, ip[IP_K_FW], k_fs)
                     if dp_pv:
+                        va = vbu.ctypes.data
+                        vo = voff
                         n0 = n & ~15 if amx_pv else 0            # AMX: the whole 16-key blocks (they prefetch)
+                        if v_kind == KIND_FP4:             # as K (roff: free, FP4 never has a rope)
+                            row_offsets(vt_tbl, i, c0, n, ip[IP_VT_BS], ip[IP_VT_BLK], h * ip[IP_VT_H],
+                                        ip[IP_VT_S], roff)
+                            va = vf16.ctypes.data
+                            vo = roff
+                            if amx_pv:
+                                fp4_rows(vbu, voff, 0, n, vgs, roff, vf16, Dv, roff)
+                            else:
+                                for c1 in range(0, n, FP4_SUB):
+                                    m1 = min(FP4_SUB, n - c1)
+                                    fp4_rows(vbu, voff, c1, m1, vgs, roff, vf16, Dv, roff)
+                                    pv_dp(p2.ctypes.data + 2 * c1, p2.shape[1] * 2, va, vo.ctypes.data + 8 * c1, m1,
+                                          tacc.ctypes.data, Dv, R, Dv, kbuf.ctypes.data, knext.ctypes.data + 8 * c1,
+                                          max(0, min(m1, nn - c1)), k_row, k_es)
+                                n0 = -1                      # (done)
                         if n0 > 0:
-                            pv_amx(p2.ctypes.data, p2.shape[1] * 2, vbu.ctypes.data, voff.ctypes.data, n0,
+                            pv_amx(p2.ctypes.data, p2.shape[1] * 2, va, vo.ctypes.data, n0,
                                    tacc.ctypes.data, Dv, R, Dv, kbuf.ctypes.data, knext.ctypes.data, nn, k_row, k_es)
                             nn = 0
-                        if n0 < n:
-                            pv_dp(p2.ctypes.data + 2 * n0, p2.shape[1] * 2, vbu.ctypes.data,
-                                  voff.ctypes.data + 8 * n0, n - n0, tacc.ctypes.data, Dv, R, Dv, kbuf.ctypes.data,
+                        if 0 <= n0 < n:
+                            pv_dp(p2.ctypes.data + 2 * n0, p2.shape[1] * 2, va,
+                                  vo.ctypes.data + 8 * n0, n - n0, tacc.ctypes.data, Dv, R, Dv, kbuf.ctypes.data,
                                   knext.ctypes.data, nn, k_row, k_es)
                     elif use_i8:
                         pv_i8(p2.ctypes.data, p2.shape[1] * 2, vbu.ctypes.data, voff.ctypes.data, n, tacc.ctypes.data,
@@ -1552,7 +1578,7 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
                     pv_fused(s, views(vbu)[0], v_kind, voff, n, tacc, R, Dv)
                 elif v_kind == KIND_FP4:     # as K (roff: unused without rope, which FP4 never has)
                     row_offsets(vt_tbl, i, c0, n, ip[IP_VT_BS], ip[IP_VT_BLK], h * ip[IP_VT_H], ip[IP_VT_S], roff)
-                    fp4_rows(vbu, voff, n, vgs, roff, vf16, Dv, roff)
+                    fp4_rows(vbu, voff, 0, n, vgs, roff, vf16, Dv, roff)
                     pv_fma(s.ctypes.data, s.shape[1] * 4, vf16.ctypes.data, KIND_BF16, roff.ctypes.data, n,
                            tacc.ctypes.data, Dv, R, Dv, kbuf.ctypes.data, knext.ctypes.data, 0, k_row, k_es)
                 else:
