@@ -3,7 +3,9 @@
 Every case is BNSD unless its name says otherwise. Decode: Q_S = 1, no mask; the K/V cache is dense, paged
 (block 128, a shuffled block table over a shared pool), int8 with per-channel (mode 0) or per-token (mode 1)
 antiquant scales, or FP4 E2M1 with per-token-group FLOAT8_E8M0 scales (mode 6, the "-fp4" cases); the "-bsnd" cases keep a dense cache as [B, S, KV_N, D] (BSND), the "-bsh" paged ones a pool
-[blocks, block_size, KV_N * D] (BSH): a token's rows of all KV heads side by side.
+[blocks, block_size, KV_N * D] (BSH): a token's rows of all KV heads side by side. "-int8-paged": a 4-D paged int8
+pool [blocks, KV_N, block_size, D] with per-channel scales; "-int8-nz": the same pool as the 5-D NZ cache
+(blocks, KV_N, D/32, block_size, 32) of SPEC 8b, whose twin is the 4-D pool (not a dense cache).
 Prefill: Q_S = KV_S = S, one of causal (sparse_mode 2 + the 2048x2048 template), band (sparse_mode 4,
 pre = next = 256, template) or pse_shift (an ALiBi bias [1, N, S, S], no mask).
 """
@@ -33,7 +35,7 @@ class Case:
     D: int
     S_q: int
     S_kv: int
-    storage: str = "dense"    # dense | paged | int8-chan | int8-tok | fp4
+    storage: str = "dense"    # dense | paged | int8-chan | int8-tok | fp4 | int8-paged | int8-nz
     layout: str = "BNSD"      # BNSD | BSND (dense) | BSH (paged): how K / V (and Q) are laid out
     mask: str = "none"        # none | causal | band | pse
     block_size: int = 128
@@ -72,9 +74,17 @@ class Case:
         if self.storage == "fp4":                      # two values a byte + one E8M0 byte per 32 values
             return 2 * (elems // 2 + elems // 32)
         if self.storage.startswith("int8"):
-            scales = 2 * (self.KV_N * self.D * 2 if self.storage == "int8-chan" else self.B * self.S_kv * 4)
+            scales = 2 * (self.KV_N * self.D * 2 if self.per_channel else self.B * self.S_kv * 4)
             return 2 * elems + scales
         return 2 * elems * self.torch_dtype.itemsize
+
+    @property
+    def per_channel(self) -> bool:
+        return self.storage in ("int8-chan", "int8-paged", "int8-nz")
+
+    @property
+    def paged(self) -> bool:
+        return self.storage in ("paged", "int8-paged", "int8-nz")
 
     def dense_twin(self) -> Optional["Case"]:
         """The same decode problem with a dense K / V cache of the case's dtype, for paged and int8 cases:
@@ -83,6 +93,8 @@ class Case:
         measures the host's drift: the same call took 7.0-18.9 ms within the hour)."""
         if self.kind != "decode" or (self.storage == "dense" and self.layout == "BNSD"):
             return None
+        if self.storage == "int8-nz":                  # NZ: the same pool as a 4-D cache (within 15 % of it)
+            return replace(self, name=f"{self.name}:4d", storage="int8-paged")
         return replace(self, name=f"{self.name}:dense", storage="dense", layout="BNSD")
 
     def input_bytes(self) -> int:
@@ -123,6 +135,7 @@ def full_table() -> list[Case]:
     cases = [small_decode_case()]
     cases += [decode_case(dt, st, s) for s in (1024, 4096, 16384) for dt in DTYPES for st in STORAGES]
     cases += [decode_case("bf16", "fp4", s) for s in (4096, 16384)]
+    cases += [decode_case("bf16", "int8-nz", s, N=64) for s in (4096, 16384)]
     cases += [c for s in (4096, 16384) for c in token_major_cases(s)]
     cases += [multi_token_decode_case(q, 4096) for q in (2, 4)]
     cases += [prefill_case(dt, m, s) for s in (1024, 2048, 8192) for dt in ("bf16", "fp16") for m in MASKS]
@@ -131,7 +144,7 @@ def full_table() -> list[Case]:
 
 def quick_table() -> list[Case]:
     cases = [small_decode_case()] + [decode_case(dt, st, 4096) for dt in DTYPES for st in STORAGES]
-    cases += [decode_case("bf16", "fp4", 4096)]
+    cases += [decode_case("bf16", "fp4", 4096), decode_case("bf16", "int8-nz", 4096, N=64)]
     cases += token_major_cases(4096)
     cases += [prefill_case("bf16", m, 1024) for m in MASKS] + [prefill_case("fp16", "causal", 1024)]
     return cases
@@ -175,12 +188,14 @@ class Inputs:
         c = self.case
         kw = dict(num_heads=self.q.shape[1], num_key_value_heads=self.key.shape[1], scale=self.scale,
                   input_layout=c.layout)
-        if c.storage == "paged":
+        if c.paged:
             kw.update(block_table=self.block_table, block_size=c.block_size, actual_seq_lengths_kv=[c.S_kv] * c.B)
-        elif c.storage.startswith("int8"):
-            mode = 0 if c.storage == "int8-chan" else 1
+        if c.storage.startswith("int8"):
+            mode = 0 if c.per_channel else 1
             kw.update(key_antiquant_scale=self.k_scale, value_antiquant_scale=self.v_scale,
                       key_antiquant_mode=mode, value_antiquant_mode=mode)
+            if c.paged:                                # (NZ int8 requires it, SPEC 14b.5; the 4-D twin the same)
+                kw.update(inner_precise=1)
         elif c.storage == "fp4":
             kw.update(key_antiquant_scale=self.k_scale, value_antiquant_scale=self.v_scale,
                       key_antiquant_mode=6, value_antiquant_mode=6)
@@ -222,14 +237,27 @@ class Inputs:
         G = self.case.G
         # (copies in the case's layout, so that fia_args gives them as the case does)
         one = lambda t: None if t is None else _like_layout(t[:, :1], self.case.layout)  # noqa: E731
-        per_chan = self.case.storage == "int8-chan"
+        per_chan = self.case.per_channel
         if self.case.storage == "fp4":                 # [1, B, KV_N, S_kv, D/32]: head 0
             grp = lambda t: t[:, :, :1].contiguous()   # noqa: E731
         else:
             grp = lambda t: one(t) if per_chan else t   # noqa: E731
+        # (portable: a head group alone may be outside the hardware's head-count tables, e.g. NZ caches)
         return Inputs(self.case, _like_layout(self.q[:, :G], self.case.layout), one(self.key), one(self.value),
                       self.block_table, grp(self.k_scale), grp(self.v_scale),
-                      None if self.pse is None else self.pse[:, :G].contiguous(), self.mask)
+                      None if self.pse is None else self.pse[:, :G].contiguous(), self.mask, {"portable": True})
+
+
+def to_nz(pool: torch.Tensor, d0: int) -> torch.Tensor:
+    """Pool [NB, KV_N, bs, D] -> the NZ cache (NB, KV_N, D/d0, bs, d0) (SPEC 8b.1)."""
+    nb, kvn, bs, d = pool.shape
+    return pool.reshape(nb, kvn, bs, d // d0, d0).permute(0, 1, 3, 2, 4).contiguous()
+
+
+def from_nz(cache: torch.Tensor) -> torch.Tensor:
+    """The NZ cache (NB, KV_N, D/d0, bs, d0) -> pool [NB, KV_N, bs, D]."""
+    nb, kvn, f, bs, d0 = cache.shape
+    return cache.permute(0, 1, 3, 2, 4).reshape(nb, kvn, bs, f * d0)
 
 
 def _like_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
@@ -272,6 +300,17 @@ def build(case: Case, seed: int = 0) -> Inputs:
         inp.key, inp.value = kv(blocks, KV_N, bs, D), kv(blocks, KV_N, bs, D)
         perm = torch.randperm(blocks, generator=g)[: B * nb]
         inp.block_table = perm.view(B, nb).to(torch.int32)             # [B, nb]
+    elif case.storage in ("int8-paged", "int8-nz"):                    # a shared int8 pool + per-channel scales
+        bs = case.block_size
+        nb = -(-S_kv // bs)
+        blocks = B * nb + 8
+        rint = lambda: torch.randint(-127, 128, (blocks, KV_N, bs, D), generator=g, dtype=torch.int8)  # noqa: E731
+        inp.key, inp.value = rint(), rint()                            # [blocks, KV_N, bs, D]
+        if case.storage == "int8-nz":                                  # (blocks, KV_N, D/32, bs, 32)
+            inp.key, inp.value = to_nz(inp.key, 32), to_nz(inp.value, 32)
+        inp.block_table = torch.randperm(blocks, generator=g)[: B * nb].view(B, nb).to(torch.int32)
+        sc = lambda: ((torch.rand(1, KV_N, 1, D, generator=g) + 0.5) / 64).to(dt)  # noqa: E731
+        inp.k_scale, inp.v_scale = sc(), sc()
     elif case.storage == "fp4":                                        # FP4 bytes + E8M0 group scales
         byts = lambda: torch.randint(0, 256, (B, KV_N, S_kv, D // 2), generator=g,  # noqa: E731
                                      dtype=torch.uint8).view(torch.float4_e2m1fn_x2)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..problem.quant import dequant_fp4
-from .cases import Inputs
+from .cases import Inputs, from_nz
 
 
 def gather_paged(pool: torch.Tensor, block_table: torch.Tensor, S_kv: int) -> torch.Tensor:
@@ -62,6 +62,10 @@ def sdpa_call(inp: Inputs, compute_dtype: torch.dtype | None = None) -> Callable
         if c.storage == "paged":
             k = gather_paged(inp.key, inp.block_table, c.S_kv)
             v = gather_paged(inp.value, inp.block_table, c.S_kv)
+        elif c.storage in ("int8-paged", "int8-nz"):                # gathered (NZ: as rows), then dequantized
+            pool = from_nz if c.storage == "int8-nz" else (lambda t: t)
+            return (dequant(gather_paged(pool(inp.key), inp.block_table, c.S_kv), inp.k_scale, dt),
+                    dequant(gather_paged(pool(inp.value), inp.block_table, c.S_kv), inp.v_scale, dt))
         elif c.storage.startswith("int8"):
             return dequant(inp.key, inp.k_scale, dt), dequant(inp.value, inp.v_scale, dt)
         elif c.storage == "fp4":                                    # FP4 x E8M0 group scales dequantized first

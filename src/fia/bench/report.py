@@ -107,7 +107,8 @@ NOTES = """\
 - x dense (paged, int8 and token-major "-bsnd" / "-bsh" decode cases): FIA on the same problem with a dense BNSD
   K / V cache of the case's dtype (its "dense twin", checked like a case), timed in the same blocks: FIA / twin /
   SDPA / twin / FIA, so the ratio (twin ms / case ms: > 1 = faster than dense) is not the host's drift between
-  two cases.
+  two cases. The "-int8-nz" cases' twin is the same int8 pool as a 4-D paged cache (SPEC 8b: NZ within 15 % of
+  it means x dense >= 0.87).
 - Check: FIA's automatic backend against the reference backend — on the whole case when the reference is
   cheap enough, otherwise on KV head 0 and its query heads (head groups are independent); SDPA in float32
   on that slice when the reference cannot run the case. Error = max|out − ref| / max|ref|. A wrong output

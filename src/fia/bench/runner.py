@@ -194,7 +194,11 @@ def _fia_call(fia, inp: C.Inputs, backend: Optional[str]) -> Callable[[], torch.
 
     def run() -> torch.Tensor:
         with fia.use_backend(backend):
-            out, _ = fn(*args, **kw)
+            if inp.extra.get("portable"):
+                with fia.validation_mode("portable"):
+                    out, _ = fn(*args, **kw)
+            else:
+                out, _ = fn(*args, **kw)
         return canon(out)                                           # [B, N, S_q, D]
 
     def run_auto() -> torch.Tensor:
