@@ -24,7 +24,7 @@ from util import (assert_close, assert_lse, block_table, gen, out_to_canon, page
 BF16, F32 = torch.bfloat16, torch.float32
 D, DR, BS = 512, 64, 128
 
-pytestmark = pytest.mark.backends("reference", "torch", "prefill")
+pytestmark = pytest.mark.backends("reference", "torch", "prefill", "decode")
 
 
 def expected(q8, dsq, qr, k8, kr, v8, sk, sv, lens, scale, sq):
