@@ -112,9 +112,32 @@ class TestV2NewKeywords:
         assert out.dtype == torch.int8 and torch.equal(out, base)
         with pytest.raises(fia.FiaInputError, match="out_dtype"):
             fia.npu_fused_infer_attention_score_v2(q, k, v, out_dtype=F16, **kw)
-        if hasattr(torch, "float8_e5m2"):       # valid per torch_npu's document, not implemented
-            with pytest.raises(fia.FiaUnsupportedError, match="out_dtype"):
-                fia.npu_fused_infer_attention_score_v2(q, k, v, out_dtype=torch.float8_e5m2, **kw)
+
+    @pytest.mark.parametrize("fp8", [n for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)])
+    @pytest.mark.parametrize("sq", [1, 5])
+    def test_fp8_quantized_output(self, fp8, sq):
+        """out_dtype FP8 with quant_scale_out: the float32 result times the scale (+ offset), saturated to the
+        format's largest finite value and rounded to nearest even; without quant_scale_out an input error."""
+        dt = getattr(torch, fp8)
+        q, k, v = bnsd_qkv(50 + sq, sq=sq)
+        g = gen(60 + sq)
+        big = torch.finfo(dt).max
+        scale_out = torch.rand(4, 32, generator=g) * 4 * big + 1          # per channel [N, Dv]: some saturate
+        off = torch.randn(4, 32, generator=g)
+        kw = dict(num_query_heads=4, num_key_value_heads=2, input_layout="BNSD", softmax_scale=0.2,
+                  quant_scale_out=scale_out, quant_offset_out=off)
+        out, _ = fia.npu_fused_infer_attention_score_v2(q, k, v, out_dtype=dt, **kw)
+        assert out.dtype == dt and out.shape == q.shape
+        y = ref(q, k, v, 0.2) * scale_out.double()[None, :, None, :] + off.double()[None, :, None, :]
+        m = torch.finfo(dt).max
+        want = y.clamp(-m, m)
+        assert (out.float().abs() <= m).all() and not out.float().isnan().any()
+        assert (want.abs() >= m).any(), "no value saturates: the test would not see saturation"
+        rel, tiny = {torch.float8_e4m3fn: (2 ** -3, 2 ** -9), torch.float8_e5m2: (2 ** -2, 2 ** -16)}[dt]
+        assert ((out.double() - want).abs() <= 0.51 * rel * want.abs() + tiny).all()   # half an ulp (subnormals)
+        with pytest.raises(fia.FiaInputError, match="out_dtype"):
+            fia.npu_fused_infer_attention_score_v2(q, k, v, out_dtype=dt, num_query_heads=4, num_key_value_heads=2,
+                                                   input_layout="BNSD")
 
     def test_graph_schema_and_variants(self):
         schema = graph.op(V2)._schema

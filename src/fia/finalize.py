@@ -19,7 +19,7 @@ from .problem.outputs import expected_outputs
 
 def finalize(p: AttentionProblem, r: BackendResult):
     if p.out_quant is not None:     # SPEC 12: never-computed rows quantize their 0 like every other value
-        out = from_canonical(p.out_quant.apply(r.out, p.packed), p.layout.out)
+        out = from_canonical(p.out_quant.apply(r.out, p.packed, p.out_dtype), p.layout.out)
     else:
         out = from_canonical(r.out.to(p.out_dtype), p.layout.out)
     if not p.want_lse or r.lse is None:

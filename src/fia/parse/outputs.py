@@ -9,7 +9,6 @@ import torch
 
 from ..config import is_strict
 from ..problem.layout import output_shape
-from ..errors import FiaUnsupportedError
 from .context import Ctx, describe, dtype_name
 from .tensors import parse_layout, query_dims, value_dim
 
@@ -24,6 +23,7 @@ for _code, _name in ((23, "float8_e5m2"), (24, "float8_e4m3fn")):
     if hasattr(torch, _name):
         DTYPE_CODES[_code] = getattr(torch, _name)
 DTYPE_NUMBERS = {dt: code for code, dt in DTYPE_CODES.items()}
+FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))   # quantized outputs
 
 
 def output_dtype(ctx: Ctx, a: dict, query: torch.Tensor, quantized: bool) -> torch.dtype:
@@ -43,9 +43,9 @@ def output_dtype(ctx: Ctx, a: dict, query: torch.Tensor, quantized: bool) -> tor
 
 def _requested_out_dtype(ctx: Ctx, v, default: torch.dtype, q_dtype: torch.dtype, quantized: bool) -> torch.dtype:
     """npu_fused_infer_attention_score_v2's out_dtype (a torch_npu dtype number, or a torch.dtype): the output
-    dtype of an int8 query (float16 / bfloat16) or of a quantized output (int8). Without either, only the
-    output's own dtype (the query's) is accepted. FP8 outputs are valid per torch_npu's document but not
-    implemented. (DECISIONS 38)"""
+    dtype of an int8 query (float16 / bfloat16) or of a quantized output (int8, or FP8: float8_e4m3fn /
+    float8_e5m2, saturating). Without either, only the output's own dtype (the query's) is accepted.
+    (DECISIONS 38)"""
     if isinstance(v, torch.dtype):
         dt = v
     elif isinstance(v, int) and not isinstance(v, bool) and v in DTYPE_CODES:
@@ -53,11 +53,9 @@ def _requested_out_dtype(ctx: Ctx, v, default: torch.dtype, q_dtype: torch.dtype
     else:
         raise ctx.err("out_dtype", "None, a torch dtype or torch_npu's dtype number (5 float16, 15 bfloat16, "
                       "1 int8, ...)", describe(v))
-    if dt.is_floating_point and dt.itemsize == 1:
-        raise FiaUnsupportedError(f"{ctx.n('out_dtype')}: an FP8 output ({dtype_name(dt)}) is valid per the "
-                                  "documents but not implemented by any FIA backend", {"reference": ["FP8 output"]})
     if quantized:
-        allowed, why = (torch.int8,), "int8 (the output is quantized by quant_scale2)"
+        allowed, why = (torch.int8,) + FP8, "int8 or FP8 (float8_e4m3fn / float8_e5m2: the output is quantized " \
+            "by quant_scale2)"
     elif q_dtype == torch.int8:
         allowed, why = (torch.float16, torch.bfloat16), "float16 or bfloat16 (the output of an int8 query)"
     else:

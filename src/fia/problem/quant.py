@@ -55,6 +55,13 @@ def round_half_even_saturate_int8(y: torch.Tensor) -> torch.Tensor:
     return torch.round(y).clamp_(-128, 127).to(torch.int8)
 
 
+def saturate_fp8(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 -> FP8 (float8_e4m3fn / float8_e5m2): clamped to the format's largest finite magnitude (inf too; NaN
+    stays NaN), then rounded to nearest even by the cast."""
+    m = torch.finfo(dtype).max
+    return y.clamp(-m, m).to(dtype)
+
+
 @dataclass(frozen=True)
 class KVDequant:
     granularity: str
@@ -130,12 +137,13 @@ class QueryDequant:
 
 @dataclass(frozen=True)
 class OutputQuant:
-    """int8 output: y8 = saturate(round_half_even(y * scale + offset)); scale/offset [1] or [N, Dv] (SPEC 12)."""
+    """Quantized output: y8 = saturate(round_half_even(y * scale + offset)) in int8 (SPEC 12), or in FP8 where v2's
+    out_dtype asks for it (DECISIONS 38); scale/offset [1] or [N, Dv]."""
     scale: torch.Tensor
     offset: Optional[torch.Tensor] = None
 
-    def apply(self, out: torch.Tensor, packed: bool) -> torch.Tensor:
-        """out: canonical float [B, N, Q_S, Dv] (packed [N, T, Dv]) -> int8, same shape."""
+    def apply(self, out: torch.Tensor, packed: bool, dtype: torch.dtype = torch.int8) -> torch.Tensor:
+        """out: canonical float [B, N, Q_S, Dv] (packed [N, T, Dv]) -> dtype (int8 or FP8), same shape."""
         s, o = self.scale.to(torch.float32), None if self.offset is None else self.offset.to(torch.float32)
         if s.dim() == 2:                                  # per channel [N, Dv]
             s = s[:, None, :] if packed else s[None, :, None, :]
@@ -143,4 +151,4 @@ class OutputQuant:
         y = out.to(torch.float32) * s
         if o is not None:
             y = y + o
-        return round_half_even_saturate_int8(y)
+        return saturate_fp8(y, dtype) if dtype.is_floating_point else round_half_even_saturate_int8(y)
