@@ -108,13 +108,15 @@ def _default_device(dev):
 
 
 def _on(dev, x):
-    """x with every tensor (also inside lists / tuples) moved to dev."""
+    """x with every tensor (also inside lists / tuples / dicts: the keywords) moved to dev."""
     if dev == "meta-default":
         return x
     if isinstance(x, torch.Tensor):
         return x.to(dev)
     if isinstance(x, (list, tuple)):
         return type(x)(_on(dev, y) for y in x)
+    if isinstance(x, dict):
+        return {k: _on(dev, y) for k, y in x.items()}
     return x
 
 
