@@ -2,7 +2,6 @@
 
 Every invalid case mutates one aspect of a small valid base call (each base is run by a positive control) and
 must raise fia.FiaInputError with status 161002 and a message naming the argument (as the caller spelled it).
-Mode 6 (FP4 per-token-group scales) is valid per the documents but not implemented: FiaUnsupportedError.
 """
 from __future__ import annotations
 
@@ -311,6 +310,15 @@ CASES = [
     C("dequant_scale2-not-tensor", "full8", "dequant_scale2", dequant_scale2=0.5),
     C("int8-query+shared-prefix", "full8", "key_shared_prefix", key_shared_prefix=_prefix8,
       value_shared_prefix=_prefix8),
+    # ---- DECISIONS 46: combinations the documents do not define (input errors in both modes)
+    C("full8+rope", "full8", "query_rope", query_rope=lambda c: t(2, 2, 4, 64, dtype=BF16),
+      key_rope=lambda c: t(2, 2, 6, 64, dtype=BF16)),
+    C("full8+rope-portable", "full8", "query_rope", "portable", query_rope=lambda c: t(2, 2, 4, 64, dtype=BF16),
+      key_rope=lambda c: t(2, 2, 6, 64, dtype=BF16)),
+    C("per-token+shared-prefix", "dec_comb_tok", "key_shared_prefix", key_shared_prefix=_prefix8,
+      value_shared_prefix=_prefix8),
+    C("per-token+shared-prefix-portable", "dec_comb_tok", "key_shared_prefix", "portable",
+      key_shared_prefix=_prefix8, value_shared_prefix=_prefix8),
     C("int8-query+paged", "full8", "block_table", key=lambda c: i8(4, 128, 64), value=lambda c: i8(4, 128, 64),
       query=lambda c: i8(2, 4, 64), input_layout="BSH", block_table=table(), block_size=128,
       actual_seq_lengths_kv=[100, 200]),

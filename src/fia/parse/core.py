@@ -10,7 +10,6 @@ from typing import Optional
 import torch
 
 from ..config import is_strict
-from ..errors import FiaUnsupportedError
 from ..problem.attention import AttentionProblem, BatchGeometry, cache_dim
 from . import lengths as L
 from . import masking as M
@@ -63,10 +62,10 @@ def _parse(a: dict, api: str, aliases: Optional[dict], decode_only: bool) -> Att
     is_list = isinstance(key, tuple)
     kind = QT.classify(ctx, a, query, *T.raw_kv_dtypes(key, value))
     q_rope, key_rope = Q.rope_pair(ctx, layout, query, a["query_rope"], a["key_rope"], qd)
-    if kind.full and q_rope is not None:
-        raise FiaUnsupportedError(f"{ctx.n('query_rope')}: MLA rope with dequant_scale1 / quant_scale1 / "
-                                  "dequant_scale2 full quantization is not implemented (MLA full quantization is "
-                                  "the dequant_scale_query form, SPEC 10b.3)", {"reference": ["MLA full quantization"]})
+    if kind.full and q_rope is not None:                # (DECISIONS 46)
+        raise ctx.err("query_rope", "None with dequant_scale1 / quant_scale1 / dequant_scale2 full quantization (an "
+                      "int8 query takes a rope only in MLA full quantization: dequant_scale_query with "
+                      "query_quant_mode 3, SPEC 10b.3)", a["query_rope"])
     paged = a["block_table"] is not None
 
     q_lens_raw = ctx.int_list("actual_seq_lengths", a["actual_seq_lengths"])

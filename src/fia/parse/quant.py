@@ -7,7 +7,6 @@ from typing import Optional
 
 import torch
 
-from ..errors import FiaUnsupportedError
 from ..problem.attention import MaskSpec
 from ..problem.quant import FP4_GROUP, AntiQuant, FullQuant, KVDequant, OutputQuant, QueryDequant
 from .context import Ctx, dtype_name
@@ -236,10 +235,9 @@ def antiquant(ctx: Ctx, a: dict, kind: QuantKind, q_dtype: torch.dtype, e: KVExt
                        paged=paged, nz=nz)
     else:
         aq = _combined(ctx, a, kind, q_dtype, e, decode=decode)
-    if has_prefix and (aq.key.per_token or aq.value.per_token):
-        raise FiaUnsupportedError(f"{ctx.n('key_shared_prefix')}: a shared prefix with per-token KV "
-                                  "dequantization is not implemented (the documents do not say how prefix tokens "
-                                  "are scaled)", {"reference": ["shared prefix + per-token antiquant"]})
+    if has_prefix and (aq.key.per_token or aq.value.per_token):      # (DECISIONS 46)
+        raise ctx.err("key_shared_prefix", "None with per-token key/value dequantization (its scales cover each "
+                      "batch's own tokens; the shared prefix's tokens have none)", a["key_shared_prefix"])
     if kind.kv == "int4":
         if paged:
             raise ctx.err("block_table", "None with int4 key/value (paged KV does not take int4)", a["block_table"])
