@@ -42,6 +42,8 @@ TILINGS = {
     "online": dict(_TINY, **_ONE_GROUP),                           # padding keys inside tiles, chunks of padding
     "online-split": dict(_TINY, group_waste=1.0, group_min_cost=0),   # one group per length
     "rows": dict(kv_elems=16 * 64, rows_elems=1 << 40, **_ONE_GROUP),
+    # the budgets used off the CPU (TorchBackend.device_scale), here on the CPU
+    "device": {n: getattr(TorchBackend, n) * f for n, f in TorchBackend.device_scale.items()},
 }
 
 
