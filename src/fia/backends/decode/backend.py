@@ -174,6 +174,10 @@ def _kernel_names(K, launch: Launch) -> str:
         parts.append("software prefetch" + (f" ({'; '.join(how)})" if how else ""))
     elif ir and K.DP_FLAGS & K.DP_PREFETCH and not launch.ip[K.IP_DP] & K.DP_PREFETCH:
         parts.append(f"no software prefetch (at most {decode_plan.PREFETCH_MIN_BYTES >> 10} KiB of K / V: likely cached)")
+    if launch.ip[K.IP_K_FS] or launch.ip[K.IP_V_FS]:
+        parts.append("NZ cache: each chunk's fragments packed into rows first")
+    if int(launch.ip[K.IP_K_KIND]) == K.KIND_FP4:
+        parts.append(f"FP4 K / V decoded to bf16 {K.FP4_SUB} rows at a time")
     hb = int(launch.ip[K.IP_HB])
     if hb > 1:
         parts.append(f"{hb} KV heads per item" + (", each chunk's rows read front to back first"
