@@ -22,7 +22,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .simd import (F32, I16, I32, I64, KIND_BF16, KIND_FP16, KIND_I8, V16F, ZERO16, QKOp, c64, declare, first_only,
+from .simd import (F32, I16, I32, I64, KIND_BF16, KIND_FP16, KIND_I8, V16F, ZERO16, QKOp, c64, chunk_at, declare, first_only,
     gep, load, other_stream, outlined, prefetch_ahead, prefetch_rows, ptr, pv_row_blocks, qk_blocks,
     qk_kernel, row_blocks, shared, splat, store, store_scores, switch, var, target_has)
 
@@ -146,12 +146,13 @@ def _qk_narrow_op(kind: int) -> QKOp:
                 lambda b, r0, NR, NC, v: v)
 
 
-def qk_narrow(b, op, qa, q_rs, ka, offp, sa, s_rs, R, n, D, x, eo=False, nc=None):
+def qk_narrow(b, op, qa, q_rs, ka, offp, sa, s_rs, R, n, D, x, eo=False, nc=None, kfs=None):
     """A QK kernel's body on 8-lane accumulators (qk_fma here, vnni.qk_i8): blocks of NR query rows
     (4, 2, 1) x nc[NR] keys (default 8 / NR: 8 accumulators, as two pipes of 4-cycle latency need), D in
     chunks of op.kstep / op.es elements; each query chunk is loaded once for the block's keys (their rows are
     read side by side). D = 128 is straight-line code, other D a loop over the chunks. eo: bf16 keys widened in
-    even / odd halves, chunks 2i and 2i + 1 from one load, against a query de-interleaved alike (KIND_BF16_EO)."""
+    even / odd halves, chunks 2i and 2i + 1 from one load, against a query de-interleaved alike (KIND_BF16_EO).
+    kfs: NZ key rows (simd.chunk_at; not with eo)."""
     per = op.kstep // op.es                                  # elements per chunk
     nd = b.udiv(D, c64(per))
     qalign = op.qstep // per                                 # bytes per query element
@@ -176,7 +177,7 @@ def qk_narrow(b, op, qa, q_rs, ka, offp, sa, s_rs, R, n, D, x, eo=False, nc=None
 
             def chunk(k):
                 if not eo:
-                    fmas(k, [op.load_k(b, gep(b, kp, b.mul(k, c64(op.kstep)))) for kp in kps])
+                    fmas(k, [op.load_k(b, chunk_at(b, kp, k, op.kstep, kfs)) for kp in kps])
                     return
                 if NR <= 2:
                     # key by key (each key's halves used as soon as they are widened), the query chunks loaded

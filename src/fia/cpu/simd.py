@@ -326,7 +326,18 @@ class QKOp(NamedTuple):
     finish: Callable     # (b, r0, NR, NC, <NR * NC x float> row-major scores of rows r0 ...) -> stored scores
 
 
-def _qk_block(b, op, NR, NC, r0, q0, q_rs, kaddr, offp, c, s0, s_rs, nd, ND, x, qregs, n):
+def chunk_at(b, kp, k, kstep: int, kfs=None):
+    """Address of chunk k (kstep bytes) of the key row at kp: a row of one run (kfs None), or an NZ row whose
+    32-byte fragments lie kfs bytes apart (SPEC 8b; kstep divides 32, so no chunk straddles two fragments)."""
+    if kfs is None:
+        return gep(b, kp, b.mul(k, c64(kstep)))
+    per = 32 // kstep
+    if per == 1:
+        return gep(b, kp, b.mul(k, kfs))
+    return gep(b, kp, b.add(b.mul(b.udiv(k, c64(per)), kfs), b.mul(b.urem(k, c64(per)), c64(kstep))))
+
+
+def _qk_block(b, op, NR, NC, r0, q0, q_rs, kaddr, offp, c, s0, s_rs, nd, ND, x, qregs, n, kfs=None):
     """Scores of NR rows (query row r at byte q0 + r * q_rs, or its chunks qregs[r] already loaded) x NC keys
     (c, c + 1, ...; n: the chunk's key count), over nd chunks (ND: the same as a compile-time count, or None). Each key row is read front to back before the next
     one: on the machines measured the hardware prefetchers stream plain ascending reads at ~30 GB/s per
@@ -340,7 +351,7 @@ def _qk_block(b, op, NR, NC, r0, q0, q_rs, kaddr, offp, c, s0, s_rs, nd, ND, x, 
     accs = [[var(b, op.zero) for _ in range(NC)] for _ in range(NR)]
 
     def chunk(j, kp, k, ki=None):
-        kv = op.load_k(b, gep(b, kp, b.mul(k, c64(op.kstep))))
+        kv = op.load_k(b, chunk_at(b, kp, k, op.kstep, kfs))
         for r in range(NR):
             if qregs is not None:
                 qv = qregs[r][ki]
@@ -420,10 +431,10 @@ def qk_blocks(b, qa, q_rs, sa, s_rs, R, n, x, block, NC, preload):
 QK_UNROLLED = (4, 2)         # D = 128, 64: straight-line blocks; other D % 32 == 0: a loop over chunks
 
 
-def qk_kernel(b, op, qa, q_rs, ka, offp, sa, s_rs, R, n, D, x, chunk, unrolled):
+def qk_kernel(b, op, qa, q_rs, ka, offp, sa, s_rs, R, n, D, x, chunk, unrolled, kfs=None):
     """The body of a QK kernel (qk_dp, fma.qk_fma, vnni.qk_i8): op's blocks over the
     qk_blocks schedule, D in chunks of `chunk` elements; head dims of `unrolled` chunk counts as
-    straight-line code, the others as a loop over chunks."""
+    straight-line code, the others as a loop over chunks. kfs: NZ key rows (chunk_at)."""
     nd = b.udiv(D, c64(chunk))
 
     def variant(ND):
@@ -437,7 +448,8 @@ def qk_kernel(b, op, qa, q_rs, ka, offp, sa, s_rs, R, n, D, x, chunk, unrolled):
                 return [[load(b, gep(b, ptr(b, b.add(q0, b.mul(q_rs, c64(r)))), c64(k * op.qstep)), op.qty)
                          for k in range(ND)] for r in range(NR)]
         qk_blocks(b, qa, q_rs, sa, s_rs, R, n, x, lambda NR, NC, r0, q0, c, s0, xr, qregs: _qk_block(
-            b, op, NR, NC, r0, q0, q_rs, ka, offp, c, s0, s_rs, nd, ND, xr, qregs, n), 2 if preload else 4, preload)
+            b, op, NR, NC, r0, q0, q_rs, ka, offp, c, s0, s_rs, nd, ND, xr, qregs, n, kfs), 2 if preload else 4,
+            preload)
     switch(b, nd, unrolled, variant, None)
 
 

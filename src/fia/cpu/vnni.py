@@ -102,11 +102,14 @@ def _row_scale(b, addr, r):
 
 # ---------------------------------------------------------------------------------------------- QK
 @intrinsic
-def qk_i8(typingctx, qaddr, q_rs, kaddr, offaddr, n, saddr, s_rs, R, D, qsaddr, xaddr, xoffaddr, xn, xrow, xes):
+def qk_i8(typingctx, qaddr, q_rs, kaddr, offaddr, n, saddr, s_rs, R, D, qsaddr, xaddr, xoffaddr, xn, xrow, xes,
+          kfs):
     """s[r, c] = qs[r] * q[r, :D] . K[c, :D], r < R, c < n. q: int16 at qaddr, rows q_rs bytes apart; qs:
     float32 per row at qsaddr; key c: int8 at element offs[c] of the buffer at kaddr; offs: int64 at offaddr;
-    s: float32 at saddr, rows s_rs elements apart. D % 32 == 0, D <= QK_MAX_D. Prefetching as simd.qk_dp."""
-    sig = types.void(*([types.int64] * 15))
+    s: float32 at saddr, rows s_rs elements apart. D % 32 == 0, D <= QK_MAX_D. Prefetching as simd.qk_dp.
+    kfs: bytes from one 32-byte run of a key row to the next: 32 for rows of one run, block_size x 32 for a
+    5-D NZ cache (SPEC 8b), read in place (every load is 32 or 16 bytes of one fragment)."""
+    sig = types.void(*([types.int64] * 16))
 
     def body(b, args):
         qa, qrs, ka, oa, n_, sa, srs, R_, D_, qsa = args[:10]
@@ -123,11 +126,12 @@ def qk_i8(typingctx, qaddr, q_rs, kaddr, offaddr, n, saddr, s_rs, R, D, qsaddr, 
             op = QKOp(1, 16, 32, _V16H, ir.Constant(_V8I, [0] * 8),
                       lambda b, p: b.sext(load(b, p, _V16B), _V16H), _pmadd8, lambda b, a: b.sitofp(a, _V8F),
                       _scaled)
-            qk_narrow(b, op, qa, qrs, ka, ptr(b, oa, I64), sa, srs, R_, n_, D_, other_stream(b, *args[10:]))
+            qk_narrow(b, op, qa, qrs, ka, ptr(b, oa, I64), sa, srs, R_, n_, D_, other_stream(b, *args[10:15]),
+                      kfs=args[15])
             return
         op = QKOp(1, 32, 64, V32H, _ZERO_I, _widen_i8, _dpw, lambda b, a: b.sitofp(a, V16F), _scaled)
-        qk_kernel(b, op, qa, qrs, ka, ptr(b, oa, I64), sa, srs, R_, n_, D_, other_stream(b, *args[10:]), 32,
-                   QK_UNROLLED)
+        qk_kernel(b, op, qa, qrs, ka, ptr(b, oa, I64), sa, srs, R_, n_, D_, other_stream(b, *args[10:15]), 32,
+                  QK_UNROLLED, kfs=args[15])
 
     def codegen(context, builder, signature, args):
         return outlined(context, builder, "fia_qk_i8", args, body)

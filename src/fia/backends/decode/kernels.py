@@ -1372,9 +1372,6 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
                 vbu = vbuf
                 vpf = voff                                 # the V rows QK requests on the way (NZ: their runs)
                 rbu = rbuf
-                if k_fs != 0:
-                    nz_pack(kbuf, koff, n, k_es_, D, k_fs, ip[IP_K_FW], kscr)
-                    kbu = kscr
                 if Dr > 0 and r_fs != 0:
                     r_es_, _ = elem_layout(r_kind, Dr)
                     nz_pack(rbuf, roff, n, r_es_, Dr, r_fs, ip[IP_R_FW], rscr)
@@ -1391,6 +1388,15 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
                 if vt_mode != 0:
                     token_scales(vt_tbl, i, h, c0, n, ip[IP_VT_BS], ip[IP_VT_BLK], ip[IP_VT_H], ip[IP_VT_S],
                                  vt_mode, vts, vto, tsv, tov)
+                # int16 x int8 QK for this head and chunk (the NaN / outlier / token-scale checks)
+                i8_now = not dp_qk and i8_qk and (kt_mode == 0 or _i8_tokens_ok(qerr[hh], tsk, n))
+                kfs = 32                                   # bytes between a key row's 32-byte runs (qk_i8)
+                if k_fs != 0:                              # NZ K: qk_i8 reads it in place, the others packed
+                    if i8_now and ip[IP_K_FW] * k_es_ == 32:
+                        kfs = k_fs * k_es_
+                    else:
+                        nz_pack(kbuf, koff, n, k_es_, D, k_fs, ip[IP_K_FW], kscr)
+                        kbu = kscr
                 # ---- K chunk -> scores (the softmax scale is folded into q)
                 n_qk += 1
                 if dp_qk:
@@ -1427,11 +1433,11 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
                         qk_dp(q2.ctypes.data, q2.shape[1] * 2, ka, ko.ctypes.data + 8 * n0, n - n0,
                               s.ctypes.data + 4 * n0, s.shape[1], R, D, scale, vbuf.ctypes.data,
                               vpf.ctypes.data + 8 * n0, n - n0 if pf else 0, v_row, v_es)
-                elif i8_qk and (kt_mode == 0 or _i8_tokens_ok(qerr[hh], tsk, n)):
+                elif i8_now:
                     n_i8 += 1
                     qk_i8(q2.ctypes.data, q2.shape[1] * 2, kbu.ctypes.data, koff.ctypes.data, n, s.ctypes.data,
                           s.shape[1], R, D, isc.ctypes.data, vbuf.ctypes.data, vpf.ctypes.data, n if pf else 0,
-                          v_row, v_es)
+                          v_row, v_es, kfs)
                 elif fma_qk or generic is None:
                     # (the build without generic paths: numba prunes every other branch when `generic` is None,
                     # which keeps the first-call compile time down)
@@ -1463,6 +1469,9 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
                         for c in range(n_):
                             s[r, c] = (s[r, c] + tok[c] * qsr) * tsk[c]
                     if Dr == 0 and exceptional(tsk, tok, kt_mode, n):
+                        if kfs != 32:                      # (NZ read in place so far: the rows, packed)
+                            nz_pack(kbuf, koff, n, k_es_, D, k_fs, ip[IP_K_FW], kscr)
+                            kbu = kscr
                         exact_key_tokens(s, R, n, tsk, tok, kt_mode, kbu, k_kind, koff, qraw[hh], D, scale, kf, offs)
                 elif kc_mode == 2:
                     for r in range(R):
