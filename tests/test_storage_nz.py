@@ -171,6 +171,34 @@ def test_mla_nz(layout, n, dt, sq):
     assert_lse(lc, rl)
 
 
+@pytest.mark.case(q_s=1)
+def test_mla_nz_value_is_key():
+    """MLA callers pass the latent cache as both key and value (one NZ tensor): the same result as the ND call with
+    one tensor, and as the float64 formulation with V = K[..., :D]."""
+    dtype = BF16
+    g = gen(seed_of("nz-mla-shared"))
+    d, dr, bs, n = 512, 64, 128, 16
+    lens = [300, 3, 129]
+    b = len(lens)
+    table, nb = block_table(lens, bs, g, spare=2, extra_cols=1)
+    kpool = paged_pool(table, lens, bs, nb, 1, d, g, dtype)
+    rpool = paged_pool(table, lens, bs, nb, 1, dr, g, dtype)
+    q, qr = randn((b, n, 1, d), g, dtype), randn((b, n, 1, dr), g, dtype)
+    scale = 1 / math.sqrt(d + dr)
+    kw = dict(num_heads=n, num_key_value_heads=1, input_layout="BSND", scale=scale, block_table=table,
+              block_size=bs, actual_seq_lengths_kv=lens, softmax_lse_flag=True)
+    knz = to_nz(kpool, 16)
+    knd = nd_cache(kpool, "BSND")
+    out, lse = run_both(to_layout(q, "BSND"), knz, knz, knd, knd, nz_rope=to_nz(rpool, 16),
+                        nd_rope=nd_cache(rpool, "BSND"), query_rope=to_layout(qr, "BSND"), **kw)
+    kd = torch.cat([gather_paged(kpool, table, lens, bs), gather_paged(rpool, table, lens, bs)], -1).double()
+    vd = gather_paged(kpool, table, lens, bs).double()
+    ref, rl = naive.attention(torch.cat([q, qr], -1).double(), kd, vd, scale=scale,
+                              kv_windows=[(0, x) for x in lens], sparse_mode=0)
+    assert_close(out_to_canon(out, "BSND", n), ref, dtype)
+    assert_lse(lse[..., 0], rl)
+
+
 # --------------------------------------------------------------------------------------------- dispatch / errors
 @pytest.mark.backend_independent
 def test_decode_selected_for_nz():

@@ -1175,6 +1175,10 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
     k_fs = ip[IP_K_FS]
     v_fs = ip[IP_V_FS]
     r_fs = ip[IP_R_FS]
+    # value and key the same NZ cache (MLA callers pass the latent cache as both): V reuses K's packed rows
+    kv_same = (kbuf.ctypes.data == vbuf.ctypes.data and k_fs == v_fs and D == Dv and ip[IP_K_KIND] == ip[IP_V_KIND]
+               and ip[IP_K_BLK] == ip[IP_V_BLK] and ip[IP_K_H] == ip[IP_V_H] and ip[IP_K_S] == ip[IP_V_S]
+               and ip[IP_K_FW] == ip[IP_V_FW])
     k_blk = ip[IP_K_BLK]
     k_h = ip[IP_K_H]
     k_s = ip[IP_K_S]
@@ -1391,12 +1395,14 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
                 # int16 x int8 QK for this head and chunk (the NaN / outlier / token-scale checks)
                 i8_now = not dp_qk and i8_qk and (kt_mode == 0 or _i8_tokens_ok(qerr[hh], tsk, n))
                 kfs = 32                                   # bytes between a key row's 32-byte runs (qk_i8)
+                k_packed = False
                 if k_fs != 0:                              # NZ K: qk_i8 reads it in place, the others packed
                     if i8_now and ip[IP_K_FW] * k_es_ == 32:
                         kfs = k_fs * k_es_
                     else:
                         nz_pack(kbuf, koff, n, k_es_, D, k_fs, ip[IP_K_FW], kscr)
                         kbu = kscr
+                        k_packed = True
                 # ---- K chunk -> scores (the softmax scale is folded into q)
                 n_qk += 1
                 if dp_qk:
@@ -1472,6 +1478,7 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
                         if kfs != 32:                      # (NZ read in place so far: the rows, packed)
                             nz_pack(kbuf, koff, n, k_es_, D, k_fs, ip[IP_K_FW], kscr)
                             kbu = kscr
+                            k_packed = True
                         exact_key_tokens(s, R, n, tsk, tok, kt_mode, kbu, k_kind, koff, qraw[hh], D, scale, kf, offs)
                 elif kc_mode == 2:
                     for r in range(R):
@@ -1521,7 +1528,11 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
                 # ---- online softmax over the chunk (and the bf16 probabilities of pv_dp)
                 sm_mode = 1 if dp_pv else (2 if i8_pv and vt_mode == 0 else 0)
                 fused = softmax_chunk(s, R, n, m, ll, vx, acc, Dv, p2, sm_mode, isc[1], kshift, cll, cvx, cacc, hh)
-                if v_fs != 0:                              # (after QK, which requested its fragments)
+                if v_fs != 0 and k_packed and kv_same:     # V is K (MLA's latent cache): its packed rows
+                    for c in range(n):
+                        voff[c] = koff[c]
+                    vbu = kscr
+                elif v_fs != 0:                            # (after QK, which requested its fragments)
                     nz_pack(vbuf, voff, n, v_es_, Dv, v_fs, ip[IP_V_FW], vscr)
                     vbu = vscr
                 # ---- V chunk -> tacc (zero here), then into the block's sums cacc[hh]
