@@ -233,10 +233,12 @@ def test_flash_overlapping_query_views_and_nan():
 
 
 def test_bf16_default_follows_amx():
-    """bf16 prefill uses this kernel by default only on CPUs with AVX512-BF16 and without AMX-BF16."""
+    """bf16 prefill uses this kernel by default on CPUs with AVX512-BF16 and without AMX-BF16, and on CPUs
+    without AVX-512 that have AVX2, FMA and F16C (the 8-lane variant)."""
     from fia.cpu.simd import target_has
     assert PF.AMX_BF16 == target_has("amx-tile", "amx-bf16")
-    assert PF.ENABLED_DEFAULT == (PF.HAS_DP and not PF.AMX_BF16)
+    assert PF.AVX2 == (not target_has("avx512f") and target_has("avx2", "fma", "f16c"))
+    assert PF.ENABLED_DEFAULT == ((PF.HAS_DP and not PF.AMX_BF16) or PF.AVX2)
 
 
 def test_eligibility():

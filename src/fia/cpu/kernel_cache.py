@@ -23,7 +23,7 @@ PACKAGE = Path(__file__).resolve().parent.parent          # src/fia
 DEPENDENCIES = {
     "backends/decode/kernels.py": ("cpu/simd.py", "cpu/fma.py", "cpu/vnni.py", "cpu/amx.py", "cpu/fp4.py"),
     "backends/prefill/kernels.py": ("backends/decode/kernels.py", "cpu/simd.py", "cpu/fma.py", "cpu/vnni.py",
-                                    "cpu/amx.py", "cpu/gemm.py", "cpu/fp4.py"),
+                                    "cpu/amx.py", "cpu/gemm.py", "cpu/gemm_narrow.py", "cpu/fp4.py"),
     "backends/prefill/pse_kernels.py": (),
 }
 

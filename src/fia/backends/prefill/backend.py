@@ -131,6 +131,14 @@ class PrefillBackend(Backend):
         pse = p.pse is not None and p.mask.user_mask is None and self.pse_skip and p.Q_S * p.KV_S >= self.pse_skip_min
         return own + ("prefill-pse",) if pse else own
 
+    def describe(self, p: AttentionProblem) -> Optional[str]:
+        kd = _kernel_dtype(p)
+        on = prefill_flash.ENABLED_FOR.get(kd)
+        if on is not None and on():
+            return (f"kernel: FIA's own flash kernel in {str(kd).replace('torch.', '')}, "
+                    f"{prefill_flash.variant()} (head dims multiples of 64; else ATen's CPU flash kernel)")
+        return f"kernel: ATen's CPU flash kernel in {str(kd).replace('torch.', '')}"
+
     # ------------------------------------------------------------------------------------------ plan / launch
     def plan(self, p: AttentionProblem) -> PrefillPlan:
         """p's metadata decisions: kernel and output dtypes, whether one fused call may cover it, the batches."""

@@ -1,4 +1,5 @@
-"""FIA's own flash-attention kernel for the prefill backend: bf16 (CPUs with AVX512-BF16), float16 and float32.
+"""FIA's own flash-attention kernel for the prefill backend: bf16 (CPUs with AVX512-BF16), float16 and float32;
+on CPUs without AVX-512 (AVX2 + FMA) the same plan with 8-lane GEMMs (cpu/gemm_narrow.py).
 
 A drop-in for the calls backend.py makes to ATen's CPU flash kernel, with the same contract:
     flash(q [Bq, N, L, D], k [Bq, KV_N, S, D], v [Bq, KV_N, S, Dv], is_causal, mask, scale)
@@ -7,19 +8,23 @@ A drop-in for the calls backend.py makes to ATen's CPU flash kernel, with the sa
     out = softmax(S) V with float32 accumulators; bf16: the probabilities rounded to bf16 before the PV
     product (`vdpbf16ps`, as ATen and the hardware); float16: K / V widened to float32 in registers, float32
     probabilities and FMAs (no fp16 dot product on the CPUs measured; as the decode backend's fp16 path);
-    float32 (portable inputs, dequantized int8 K / V): the same float32 FMAs.
+    float32 (portable inputs, dequantized int8 K / V): the same float32 FMAs. On AVX2 CPUs bf16 keeps that
+    contract with float32 FMAs: the query widened (exact), the probabilities rounded to bf16 values before PV,
+    K / V widened in registers (products of bf16 values are exact in float32, as in `vdpbf16ps`).
 Differences: a row with no finite score gets lse -inf (ATen reports 0), and Dv may differ from D.
 
 Why: on the measured machine ATen's kernel runs the benchmark's bf16 prefill at ~35 % of the bf16 matmul
 rate; the GEMMs here (cpu/gemm.py) run at ~90 % of it in cache (docs/performance.md,
-"FIA's own flash kernel vs torch's").
+"FIA's own flash kernel vs torch's"). On AVX2 CPUs ATen's kernel runs only level with SDPA; the 8-lane
+variant runs 1.1-1.8x of it (docs/performance.md, "Prefill on AVX2 CPUs").
 Per call: K and V are packed once into the tiles the GEMM reads (pack_items, in parallel; the size of K and
 V), then the (batch entry, kv head, query block) items run on the decode backend's thread pool with dynamic
 scheduling, causal items longest first.
 
 `eligible` says when the kernel applies: CPU tensors, bf16 / float16 / float32 q / k / v (mask / bias in the
 same dtype), head dims multiples of 64; bf16 where the CPU has AVX512-BF16 and no AMX-BF16 (ATen's kernel uses
-the tiles there, ~5x faster), float16 where it has AVX-512 and F16C, float32 where it has AVX-512
+the tiles there, ~5x faster), float16 where it has AVX-512 and F16C, float32 where it has AVX-512; all three on
+CPUs without AVX-512 that have AVX2, FMA and F16C (the 8-lane variant)
 (FIA_PREFILL_OWN=1 forces all, emulated where the instructions are missing; =0 turns the kernel off).
 """
 from __future__ import annotations
@@ -31,21 +36,26 @@ import numpy as np
 import torch
 
 from ...cpu.simd import target_has
+from ...cpu.fma import NARROW
 from ...cpu.gemm import F16C, HAS_DP
 
 KT = 256            # keys per tile (scores [rows, KT] float32 stay in L2 with the packed K / V tiles)
 ROWS_PER_ITEM = 96  # query rows (GQA heads x positions) per work item
 # FIA_PREFILL_OWN: "0" never use this kernel, "1" always where eligible (emulated without AVX512-BF16 / F16C);
 # unset: bf16 where the CPU has AVX512-BF16 but not AMX-BF16, float16 where it has AVX-512 and F16C, float32
-# with AVX-512. With AMX, ATen's flash kernel runs its bf16 GEMMs on the tiles: Intel Xeon with AMX, quick bench,
-# bf16 causal / band / pse at 1024: ATen 11.2 / 14.6 / 20.1 ms, this kernel 55.7 / 54.0 / 101.9 ms (fp16:
-# 39.1 vs 43.2 ms, level, kept).
+# with AVX-512; all three without AVX-512 where AVX2, FMA and F16C are there (AVX2). With AMX, ATen's flash
+# kernel runs its bf16 GEMMs on the tiles: Intel Xeon with AMX, quick bench, bf16 causal / band / pse at 1024:
+# ATen 11.2 / 14.6 / 20.1 ms, this kernel 55.7 / 54.0 / 101.9 ms (fp16: 39.1 vs 43.2 ms, level, kept).
+# Without AVX-512 the 8-lane GEMMs, where ATen's kernel only matches SDPA: emulated Zen 3 (AVX2 code on the
+# AVX-512 EPYC), causal S = 2048, 32 / 8 heads: bf16 1.23-1.26x, fp16 1.79-1.80x, float32 1.13-1.22x SDPA
+# (docs/performance.md, "Prefill on AVX2 CPUs").
 _MODE = os.environ.get("FIA_PREFILL_OWN", "")
 AMX_BF16 = target_has("amx-tile", "amx-bf16")
-ENABLED_DEFAULT = HAS_DP and not AMX_BF16
+AVX2 = NARROW and target_has("avx2", "fma", "f16c")
+ENABLED_DEFAULT = (HAS_DP and not AMX_BF16) or AVX2
 ENABLED = {"0": False, "1": True}.get(_MODE, ENABLED_DEFAULT)
-ENABLED_F16 = {"0": False, "1": True}.get(_MODE, F16C and target_has("avx512f"))
-ENABLED_F32 = {"0": False, "1": True}.get(_MODE, target_has("avx512f"))
+ENABLED_F16 = {"0": False, "1": True}.get(_MODE, (F16C and target_has("avx512f")) or AVX2)
+ENABLED_F32 = {"0": False, "1": True}.get(_MODE, target_has("avx512f") or AVX2)
 ENABLED_FOR = {torch.bfloat16: lambda: ENABLED, torch.float16: lambda: ENABLED_F16, torch.float32: lambda: ENABLED_F32}
 
 
@@ -123,9 +133,10 @@ def flash(q, k, v, is_causal: bool, mask: Optional[torch.Tensor], scale: float, 
     H, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = N // H
     nt = (S + KT - 1) // KT
-    wide = q.dtype != torch.bfloat16                         # float32 query rows and probabilities
+    f16 = q.dtype != torch.bfloat16                          # uint16 elements are float16 (or float32 elements)
+    wide = f16 or NARROW                                     # float32 query rows and probabilities
     threads = max(1, torch.get_num_threads())
-    if wide:
+    if f16:
         et = np.float32 if q.dtype == torch.float32 else np.uint16
         kp = np.empty((Bq, H, nt, D, KT), et)                # [Bq, H, nt, D, KT] key tiles transposed
         vp = np.empty((Bq, H, nt, KT, Dv), et)               # [Bq, H, nt, KT, Dv] value tiles
@@ -154,5 +165,12 @@ def flash(q, k, v, is_causal: bool, mask: Optional[torch.Tensor], scale: float, 
         items = items.reshape(Bq * H, nqb)[:, ::-1].T.reshape(-1).copy()
     launch(flash_items, items, min(threads, n_items),
             (_bits(q), kp, vp, _bits(out), lse.numpy(), mk, ms, *_user_flat(user_mask), S, pre, nxt,
-             float(scale), QB, wide))
+             float(scale), QB, f16, wide))
     return out, lse
+
+
+def variant() -> str:
+    """Which GEMMs the kernel runs on this CPU (for fia.explain)."""
+    if NARROW:
+        return "AVX2 + FMA: 8-lane float32 FMAs, 6 x 16 register blocks (cpu/gemm_narrow.py)"
+    return "AVX-512: 16-lane, 6 x 64 register blocks (cpu/gemm.py; bf16 vdpbf16ps)"

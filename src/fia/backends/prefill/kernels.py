@@ -2,9 +2,11 @@
 
 Work item = (batch entry b, kv head h, query block of QB positions): its rows are the G query heads of kv
 head h times the QB positions (row r = g * QB + ii: head h * G + g, position i0 + ii), so every packed K / V
-tile is used by the whole GQA group. Per key tile of KT keys: scores with one GEMM (cpu/gemm.py), the online
-softmax in float32 (running max m, sum l; for bf16 the probabilities are rounded to bf16 for the PV product,
-as ATen's bf16 flash kernel and the hardware do; float16 / float32 keep them in float32), then O += P . V
+tile is used by the whole GQA group. Per key tile of KT keys: scores with one GEMM (cpu/gemm.py; on CPUs
+without AVX-512 the 8-lane cpu/gemm_narrow.py), the online softmax in float32 (running max m, sum l; for bf16
+the probabilities are rounded to bf16 for the PV product, as ATen's bf16 flash kernel and the hardware do:
+bf16 bits for `vdpbf16ps`, or float32 values rounded to bf16 for the 8-lane FMAs; float16 / float32 keep them
+in float32), then O += P . V
 with a second GEMM. Key tiles outside every row's band window (top-left causal, or i - pre <= j <= i + next)
 and tiles a user mask covers entirely are never computed; the additive mask is read per tile. Output in the
 query's dtype (O / l rounded to nearest even) and lse = m + log(l) in float32; a row without any finite
@@ -22,7 +24,14 @@ from numba.extending import overload
 from ..decode.kernels import FM, bf16_to_f32, claim, f32_to_bf16_bits, f32_to_half_bits, fexp, fp16_to_f32
 from ...cpu import kernel_cache
 from ...cpu.simd import max_f32
-from ...cpu.gemm import COLS, ROWS, gemm_bf16, gemm_f16, gemm_f32
+from ...cpu import gemm, gemm_narrow
+from ...cpu.fma import NARROW
+from ...cpu.gemm import gemm_bf16, gemm_f16, gemm_f32
+from ...cpu.gemm_narrow import gemm_bf16n, gemm_f16n, gemm_f32n
+
+# register blocks of the GEMMs this CPU runs: 16-lane (gemm.py) or, without AVX-512, 8-lane (gemm_narrow.py)
+ROWS, COLS = (gemm_narrow.ROWS, gemm_narrow.COLS) if NARROW else (gemm.ROWS, gemm.COLS)
+_GEMM_F16, _GEMM_F32 = (gemm_f16n, gemm_f32n) if NARROW else (gemm_f16, gemm_f32)
 
 # Numba's cache of these kernels also follows the files whose code they embed (cpu/kernel_cache.py)
 kernel_cache.install()
@@ -124,13 +133,29 @@ def _pval_impl(pb, e):
     return lambda pb, e: e
 
 
+def _pround(pb, x):
+    """A float32 probability rounded to the nearest bf16 value (float32 scratch; bf16 bits stay as they are)."""
+
+
+@overload(_pround, jit_options={"fastmath": FM})
+def _pround_impl(pb, x):
+    if pb.dtype == types.uint16:
+        return lambda pb, x: x
+    return lambda pb, x: bf16_to_f32(f32_to_bf16_bits(x))
+
+
 def _qk(qs, kt, c0, c1, sc, RP, KT, D):
-    """sc[:RP, c0:c1] = qs . key tile kt (bf16: query bits . packed pairs; float16 / float32: float32 query .
-    K^T rows)."""
+    """sc[:RP, c0:c1] = qs . key tile kt (bf16: query bits . packed pairs, or float32 query . packed pairs on
+    8-lane CPUs; float16 / float32: float32 query . K^T rows)."""
 
 
 @overload(_qk)
 def _qk_impl(qs, kt, c0, c1, sc, RP, KT, D):
+    if kt.dtype == types.uint32 and qs.dtype == types.float32:
+        def impl_bf16n(qs, kt, c0, c1, sc, RP, KT, D):
+            gemm_bf16n(qs.ctypes.data, D * 4, kt.ctypes.data + 4 * c0, KT * 4, D // 2, sc.ctypes.data + 4 * c0,
+                       KT * 4, RP, c1 - c0, 0)
+        return impl_bf16n
     if kt.dtype == types.uint32:
         def impl(qs, kt, c0, c1, sc, RP, KT, D):
             gemm_bf16(qs.ctypes.data, D * 2, kt.ctypes.data + 4 * c0, KT * 4, D // 2, sc.ctypes.data + 4 * c0,
@@ -138,22 +163,28 @@ def _qk_impl(qs, kt, c0, c1, sc, RP, KT, D):
         return impl
     if kt.dtype == types.uint16:
         def impl_f16(qs, kt, c0, c1, sc, RP, KT, D):
-            gemm_f16(qs.ctypes.data, D * 4, kt.ctypes.data + 2 * c0, KT * 2, D, sc.ctypes.data + 4 * c0, KT * 4,
+            _GEMM_F16(qs.ctypes.data, D * 4, kt.ctypes.data + 2 * c0, KT * 2, D, sc.ctypes.data + 4 * c0, KT * 4,
                      RP, c1 - c0, 0)
         return impl_f16
 
     def impl_f32(qs, kt, c0, c1, sc, RP, KT, D):
-        gemm_f32(qs.ctypes.data, D * 4, kt.ctypes.data + 4 * c0, KT * 4, D, sc.ctypes.data + 4 * c0, KT * 4,
+        _GEMM_F32(qs.ctypes.data, D * 4, kt.ctypes.data + 4 * c0, KT * 4, D, sc.ctypes.data + 4 * c0, KT * 4,
                  RP, c1 - c0, 0)
     return impl_f32
 
 
 def _pv(pb, vt, c0, c1, o, RP, KT, Dv):
-    """o[:RP] += pb[:, c0:c1] . value tile vt (bf16 pairs packed, or float16 / float32 rows)."""
+    """o[:RP] += pb[:, c0:c1] . value tile vt (bf16 pairs packed, with bf16 or, on 8-lane CPUs, float32
+    probabilities; or float16 / float32 rows)."""
 
 
 @overload(_pv)
 def _pv_impl(pb, vt, c0, c1, o, RP, KT, Dv):
+    if vt.dtype == types.uint32 and pb.dtype == types.float32:
+        def impl_bf16n(pb, vt, c0, c1, o, RP, KT, Dv):
+            gemm_bf16n(pb.ctypes.data + 4 * c0, KT * 4, vt.ctypes.data + (c0 // 2) * Dv * 4, Dv * 4,
+                       (c1 - c0) // 2, o.ctypes.data, Dv * 4, RP, Dv, 1)
+        return impl_bf16n
     if vt.dtype == types.uint32:
         def impl(pb, vt, c0, c1, o, RP, KT, Dv):
             gemm_bf16(pb.ctypes.data + 2 * c0, KT * 2, vt.ctypes.data + (c0 // 2) * Dv * 4, Dv * 4,
@@ -161,12 +192,12 @@ def _pv_impl(pb, vt, c0, c1, o, RP, KT, Dv):
         return impl
     if vt.dtype == types.uint16:
         def impl_f16(pb, vt, c0, c1, o, RP, KT, Dv):
-            gemm_f16(pb.ctypes.data + 4 * c0, KT * 4, vt.ctypes.data + c0 * Dv * 2, Dv * 2, c1 - c0,
+            _GEMM_F16(pb.ctypes.data + 4 * c0, KT * 4, vt.ctypes.data + c0 * Dv * 2, Dv * 2, c1 - c0,
                      o.ctypes.data, Dv * 4, RP, Dv, 1)
         return impl_f16
 
     def impl_f32(pb, vt, c0, c1, o, RP, KT, Dv):
-        gemm_f32(pb.ctypes.data + 4 * c0, KT * 4, vt.ctypes.data + c0 * Dv * 4, Dv * 4, c1 - c0,
+        _GEMM_F32(pb.ctypes.data + 4 * c0, KT * 4, vt.ctypes.data + c0 * Dv * 4, Dv * 4, c1 - c0,
                  o.ctypes.data, Dv * 4, RP, Dv, 1)
     return impl_f32
 
@@ -218,13 +249,14 @@ def _tile_open(ub, us, i0, nq, k0, pre, nxt, c0, c1, nk):
 
 
 @njit(fastmath=FM, cache=True)
-def _softmax_row(sc, pb, o, m, l, r, jlo, jhi, c0, c1, scale, mask, mbase, mf16, ub, ubase, us, Dv):
+def _softmax_row(sc, pb, o, m, l, r, jlo, jhi, c0, c1, scale, mask, mbase, mf16, ub, ubase, us, Dv, rnd):
     """Online softmax of row r over the tile's scores sc[r, jlo:jhi] (the other columns of the computed
     range [c0, c1) are masked): scores scaled (+ mask), running max / sum updated, the accumulator row
     rescaled, probabilities into pb[r, c0:c1] (_pval; zeros outside [jlo, jhi)). mbase >= 0: the additive
     mask of column jlo is mask[mbase] (unit stride along keys; _val: float32, or bf16 / float16 bits by
     mf16). ubase >= 0: the user mask (us[1] bytes per element, see _masked) of column jlo starts at byte
-    ub[ubase]; its masked keys score -inf."""
+    ub[ubase]; its masked keys score -inf. rnd: float32 probabilities rounded to bf16 values (bf16 calls on
+    8-lane CPUs, the contract of the bf16 path; the sum l takes them unrounded, as there)."""
     lo, hi = np.uint64(jlo), np.uint64(max(jlo, jhi))
     for j in range(np.uint64(c0), lo):
         pb[r, j] = 0
@@ -266,6 +298,9 @@ def _softmax_row(sc, pb, o, m, l, r, jlo, jhi, c0, c1, scale, mask, mbase, mf16,
         e = fexp(sc[r, j] - mx)
         ls += e
         pb[r, j] = _pval(pb, e)
+    if rnd:                                            # a pass of its own: the exp loop stays branch-free
+        for j in range(lo, hi):
+            pb[r, j] = _pround(pb, pb[r, j])
     l[r] = l[r] * alpha + ls
     m[r] = mx
     if alpha != np.float32(1.0):
@@ -274,10 +309,11 @@ def _softmax_row(sc, pb, o, m, l, r, jlo, jhi, c0, c1, scale, mask, mbase, mf16,
 
 
 @njit(nogil=True, cache=True)
-def flash_items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pre, nxt, scale, QB, f16):
+def flash_items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pre, nxt, scale, QB, f16, wide):
     """Items it = (b * H + h) * nqb + qb (see the module doc), taken through the atomic `counter`.
-    q16: [Bq, N, L, D] (any strides): uint16 bits of bf16, of float16 when f16, or float32 (then f16 is set:
-    it means "float32 query rows and probabilities"); kp / vp: pack_items' tiles; out16: [Bq, N, L, Dv] in
+    q16: [Bq, N, L, D] (any strides): uint16 bits of bf16, of float16 when f16, or float32 (then f16 is set);
+    wide: float32 query rows and probabilities (all but bf16 with vdpbf16ps; bf16 on 8-lane CPUs: the query
+    widened, the probabilities rounded to bf16 values); kp / vp: pack_items' tiles; out16: [Bq, N, L, Dv] in
     q16's element type; lse: [Bq, N, L] float32; mask: an additive mask in q16's element type, element
     (b, n, i, j) at
     ms[0] * b + ms[1] * n + ms[2] * i + j (strides 0 where it broadcasts), read only when ms[3] != 0;
@@ -289,21 +325,22 @@ def flash_items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pr
     H, KT = kp.shape[1], kp.shape[4]
     N, D = q16.shape[1], q16.shape[3]
     RP = ((N // H) * QB + ROWS - 1) // ROWS * ROWS
-    if f16:     # float32 query rows and probabilities (the GEMMs widen float16 K / V)
+    if wide:    # float32 query rows and probabilities (the GEMMs widen float16 / bf16 K / V)
         _items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pre, nxt, scale, QB,
-               np.zeros((RP, D), np.float32), np.zeros((RP, KT), np.float32), True)
+               np.zeros((RP, D), np.float32), np.zeros((RP, KT), np.float32), f16, True)
     else:       # bf16 bits of the query rows and probabilities (vdpbf16ps operands)
         _items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pre, nxt, scale, QB,
-               np.zeros((RP, D), np.uint16), np.zeros((RP, KT), np.uint16), False)
+               np.zeros((RP, D), np.uint16), np.zeros((RP, KT), np.uint16), False, False)
 
 
 @njit(nogil=True, cache=True)
-def _items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pre, nxt, scale, QB, qs, pb, f16):
+def _items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pre, nxt, scale, QB, qs, pb, f16, wide):
     """flash_items' loop with its query-row scratch qs [RP, D] and probability scratch pb [RP, KT] (their
     dtypes choose the GEMMs: _qk, _pv, _pval)."""
     H, KT = kp.shape[1], kp.shape[4]
     Dv = vp.shape[4]
     N, L, D = q16.shape[1], q16.shape[2], q16.shape[3]
+    rnd = wide and not f16                        # bf16 with float32 probabilities: rounded to bf16 values
     G = N // H
     nqb = (L + QB - 1) // QB
     RB = G * QB
@@ -323,9 +360,9 @@ def _items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pre, nx
         for g in range(G):
             for ii in range(QB):
                 r = g * QB + ii
-                if ii < nq and f16:
+                if ii < nq and wide:
                     for d in range(D):
-                        qs[r, d] = _val(q16[b, h * G + g, i0 + ii, d], True)
+                        qs[r, d] = _val(q16[b, h * G + g, i0 + ii, d], f16)
                 elif ii < nq:
                     for d in range(D):
                         qs[r, d] = q16[b, h * G + g, i0 + ii, d]
@@ -361,7 +398,7 @@ def _items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pre, nx
                 ubase = -1
                 if us[2] != 0:
                     ubase = us[0] * i + us[1] * (k0 + jlo)
-                _softmax_row(sc, pb, o, m, l, r, jlo, jhi, c0, c1, sf, mask, mbase, f16, ub, ubase, us, Dv)
+                _softmax_row(sc, pb, o, m, l, r, jlo, jhi, c0, c1, sf, mask, mbase, f16, ub, ubase, us, Dv, rnd)
             _pv(pb, vp[b, h, t], c0, c1, o, RP, KT, Dv)
         for g in range(G):
             n = h * G + g

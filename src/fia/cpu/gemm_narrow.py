@@ -1,0 +1,115 @@
+"""GEMM micro-kernels of the prefill flash kernel for CPUs without AVX-512 (AVX2 + FMA: 16 ymm registers of 8
+floats), as LLVM IR: the counterpart of gemm.py there, with the same calling convention.
+
+Why: gemm.py's blocks hold 24 <16 x float> accumulators; on 8-lane targets LLVM splits each in two and the 48
+halves spill. Here a block is NR = 6 rows x NJ = 2 vectors of 8 columns: 12 accumulators, 2 B vectors and one
+broadcast of A in the 16 registers (the classic AVX2 sgemm shape: per reduction step 2 loads of B, 6 broadcasts,
+12 FMAs; docs/performance.md, "Prefill on AVX2 CPUs", has the variants measured).
+
+C[R, NCOL] (float32, `=` or `+=`) = sum over the reduction axis of A[r, k] * B[k, :], A float32 rows:
+* `gemm_f32n`: B float32 rows;
+* `gemm_f16n`: B float16 rows widened in registers (`vcvtph2ps`, F16C);
+* `gemm_bf16n`: B "pair-packed" bf16 as gemm.gemm_bf16 reads it (row p holds, per column, the dword
+  (x[2p, c], x[2p + 1, c])), A float32 rows over 2 * nk elements: one 32-byte load gives the even-indexed
+  values as `bits << 16` and the odd-indexed ones as `bits & 0xFFFF0000` (fma.KIND_BF16_EO), each multiplied
+  with A's element 2p / 2p + 1. Products of bf16-valued operands are exact in float32 (as `vdpbf16ps`).
+R must be a multiple of ROWS and NCOL of COLS (the callers pad their scratch).
+
+The prefill kernels that embed this IR are rebuilt when this file changes (cpu/kernel_cache.py).
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .fma import F16C, _widen_eo, fmadd, widen
+from .simd import F32, KIND_FP16, c64, gep, load, outlined, ptr, splat, store, var
+
+NR, NJ = 6, 2                 # rows x 8-column vectors per register block (12 of the 16 ymm registers)
+ROWS = NR                     # R must be a multiple of this
+COLS = 8 * NJ                 # NCOL must be a multiple of this
+V8F = ir.VectorType(F32, 8)
+ZERO8 = ir.Constant(V8F, [0.0] * 8)
+__all__ = ["F16C", "ROWS", "COLS", "gemm_f32n", "gemm_f16n", "gemm_bf16n"]
+
+
+class _Op(NamedTuple):
+    """What a variant loads (see _block)."""
+    b_vec: int           # bytes of B per 8-column vector (and 8 x bytes per column)
+    halves: int          # A elements per reduction step (2: bf16 pairs)
+    load_b: Callable     # (b, p) -> tuple of `halves` <8 x float> B operands at byte p
+
+
+_F32 = _Op(32, 1, lambda b, p: (load(b, p, V8F, 4),))
+_F16 = _Op(16, 1, lambda b, p: (widen(b, p, KIND_FP16, 8),))
+_BF16 = _Op(32, 2, _widen_eo)
+
+
+def _block(b, op, a0, a_rs, bp0, b_rs, nk, c0, c_rs, acc_in, nr, nj):
+    """One nr x 8 nj block: A rows at a0, B columns starting at bp0, C at c0."""
+    crow = [gep(b, ptr(b, c0), b.mul(c_rs, c64(r))) for r in range(nr)]
+    if acc_in:
+        accs = [[var(b, load(b, gep(b, crow[r], c64(32 * j)), V8F, 4)) for j in range(nj)] for r in range(nr)]
+    else:
+        accs = [[var(b, ZERO8) for _ in range(nj)] for _ in range(nr)]
+    arow = [ptr(b, b.add(a0, b.mul(a_rs, c64(r)))) for r in range(nr)]
+    with cgutils.for_range(b, nk) as lp:
+        p = lp.index
+        brow = gep(b, ptr(b, bp0), b.mul(p, b_rs))
+        bv = [op.load_b(b, gep(b, brow, c64(op.b_vec * j))) for j in range(nj)]
+        for h in range(op.halves):
+            for r in range(nr):
+                ap = gep(b, arow[r], b.add(b.mul(p, c64(4 * op.halves)), c64(4 * h)))
+                av = splat(b, b.load(b.bitcast(ap, F32.as_pointer()), align=4), 8)
+                for j in range(nj):
+                    b.store(fmadd(b, av, bv[j][h], b.load(accs[r][j])), accs[r][j])
+    for r in range(nr):
+        for j in range(nj):
+            store(b, b.load(accs[r][j]), gep(b, crow[r], c64(32 * j)), 4)
+
+
+def _gemm_body(op, nr, nj):
+    def body(b, args):
+        aa, ars, ba, brs, nk, ca, crs, R_, N_, acc = args
+        nrb = b.udiv(R_, c64(nr))
+        cols = 8 * nj
+
+        def blocks(acc_in):
+            with cgutils.for_range(b, b.udiv(N_, c64(cols))) as jl:
+                j0 = b.mul(jl.index, c64(cols))
+                with cgutils.for_range(b, nrb) as rl:
+                    r0 = b.mul(rl.index, c64(nr))
+                    _block(b, op, b.add(aa, b.mul(r0, ars)), ars, b.add(ba, b.mul(j0, c64(op.b_vec // 8))), brs,
+                           nk, b.add(ca, b.add(b.mul(r0, crs), b.mul(j0, c64(4)))), crs, acc_in, nr, nj)
+        with b.if_else(b.icmp_unsigned("!=", acc, c64(0))) as (then, otherwise):
+            with then:
+                blocks(True)
+            with otherwise:
+                blocks(False)
+    return body
+
+
+def gemm_intrinsic(op: _Op, name: str, doc: str, nr: int = NR, nj: int = NJ):
+    """A numba intrinsic (aaddr, a_rs, baddr, b_rs, nk, caddr, c_rs, R, NCOL, accumulate) running
+    _gemm_body(op) with nr x nj blocks as its own outlined function `name`."""
+    def gemm(typingctx, aaddr, a_rs, baddr, b_rs, nk, caddr, c_rs, R, NCOL, accumulate):
+        sig = types.void(*([types.int64] * 10))
+
+        def codegen(context, builder, signature, args):
+            return outlined(context, builder, name, args, _gemm_body(op, nr, nj))
+        return sig, codegen
+    gemm.__name__ = gemm.__qualname__ = name
+    gemm.__doc__ = doc
+    return intrinsic(gemm)
+
+
+gemm_f32n = gemm_intrinsic(_F32, "fia_gemm_f32n", """C (float32 at caddr, rows c_rs bytes apart) [+]= A . B
+    for float32 A rows (a_rs bytes apart) and float32 B rows (b_rs bytes apart) over nk steps, R rows (multiple
+    of ROWS) x NCOL columns (multiple of COLS); accumulate != 0: C += (else C =).""")
+gemm_f16n = gemm_intrinsic(_F16, "fia_gemm_f16n", """gemm_f32n with float16 B rows (widened in registers).""")
+gemm_bf16n = gemm_intrinsic(_BF16, "fia_gemm_bf16n", """gemm_f32n over nk bf16 pairs: B pair-packed (see the
+    module doc), A float32 rows of 2 nk elements.""")
