@@ -41,9 +41,9 @@ def _kernels(native: bool, narrow: bool):
     flag = "_HOST_AVX2" if narrow else "_HOST_VNNI"
     with compiling_with(V, flag, native), compiling_with(V, "NARROW", narrow):
         @njit
-        def qk(q, kbuf, offs, n, s, R, D, qs, xbuf, xoffs, xn, xrow, xes):
+        def qk(q, kbuf, offs, n, s, R, D, qs, xbuf, xoffs, xn, xrow, xes, kfs):
             V.qk_i8(q.ctypes.data, q.shape[1] * 2, kbuf.ctypes.data, offs.ctypes.data, n, s.ctypes.data,
-                    s.shape[1], R, D, qs.ctypes.data, xbuf.ctypes.data, xoffs.ctypes.data, xn, xrow, xes)
+                    s.shape[1], R, D, qs.ctypes.data, xbuf.ctypes.data, xoffs.ctypes.data, xn, xrow, xes, kfs)
 
         @njit
         def pv(w, vbuf, offs, n, acc, R, Dv, ws, xbuf, xoffs, xn, xrow, xes):
@@ -54,7 +54,8 @@ def _kernels(native: bool, narrow: bool):
         buf = np.zeros(64, np.int8)
         offs = np.zeros(2, np.int64)
         one = np.ones(1, np.float32)
-        qk(np.zeros((1, 32), np.int16), buf, offs, 1, np.zeros((1, 2), np.float32), 1, 32, one, buf, offs, 1, 32, 1)
+        qk(np.zeros((1, 32), np.int16), buf, offs, 1, np.zeros((1, 2), np.float32), 1, 32, one, buf, offs, 1, 32, 1,
+           32)
         pv(np.zeros((1, 4), np.int16), buf, offs, 1, np.zeros((1, 64), np.float32), 1, 64, one, buf, offs, 1, 64, 1)
     return frozen(qk, pv)
 
@@ -97,7 +98,7 @@ def _run_qk(qk, q, qs, pool, rows):
     offs = (rows * D).numpy().astype(np.int64)
     s = np.full((R + 1, n + 7), np.nan, np.float32)
     qsn = np.append(qs.numpy().astype(np.float32), np.float32(np.nan))   # a scale past R: never used
-    qk(qp, kb, offs, n, s, R, D, qsn, kb, offs, n, D, 1)
+    qk(qp, kb, offs, n, s, R, D, qsn, kb, offs, n, D, 1, 32)
     assert np.isnan(s[:R, n:]).all()                      # nothing written past the keys
     assert np.isnan(s[R]).all()                           # nor past the rows
     kr = pool[rows].double()
@@ -127,6 +128,37 @@ def test_qk_i8(kernels, R, n, D):
     rows = torch.randperm(pool.shape[0], generator=g)[:n]
     s, ref, mag = _run_qk(qk, q, qs, pool, rows)
     _check_qk(s, ref, mag)
+
+
+@pytest.mark.parametrize("R", [1, 4, 5])
+@pytest.mark.parametrize("n", [1, 6, 13, 64])
+@pytest.mark.parametrize("D", [32, 128, 256])
+def test_qk_i8_nz_rows(kernels, R, n, D):
+    """Keys of a 5-D NZ cache (SPEC 8b: a row is D / 32 fragments of 32 bytes, block_size x 32 bytes apart) read in
+    place with kfs = block_size x 32: the scores of the same keys as plain rows. The bytes between a row's
+    fragments (other slots of the block) are extreme values a wrong stride would pick up."""
+    qk, _ = kernels
+    g = torch.Generator().manual_seed(R * 7000 + n * 13 + D)
+    bs = 16
+    q = _ints((R, D), -32767, 32767, g, torch.int16)
+    qs = (torch.rand(R, generator=g, dtype=torch.float64) * 1.5 + 0.5).float() * 1e-4
+    nb = 3 * n // bs + 3
+    nz = torch.where(torch.rand(nb, D // 32, bs, 32, generator=g) < 0.5, torch.tensor(127, dtype=torch.int8),
+                     torch.tensor(-128, dtype=torch.int8))                      # [nb, D/32, bs, 32]
+    slots = torch.randperm(nb * bs, generator=g)[:n]                            # (block, slot) of each key
+    keys = _ints((n, D), -128, 127, g, torch.int8)
+    for c in range(n):
+        nz[slots[c] // bs, :, slots[c] % bs] = keys[c].view(D // 32, 32)
+    qp = np.full((R, D + 32), 32767, np.int16)
+    qp[:, :D] = q.numpy()
+    kb = nz.numpy().reshape(-1)
+    offs = ((slots // bs) * D * bs + (slots % bs) * 32).numpy().astype(np.int64)
+    s = np.full((R, n + 7), np.nan, np.float32)
+    qk(qp, kb, offs, n, s, R, D, qs.numpy().astype(np.float32), kb, offs, 0, D, 1, bs * 32)
+    assert np.isnan(s[:, n:]).all()
+    kd, qd = keys.double(), q.double()
+    ref = (qs.double()[:, None] * (qd @ kd.T)).numpy()
+    _check_qk(s[:, :n], ref, (qs.double().abs()[:, None] * (qd.abs() @ kd.abs().T)).numpy())
 
 
 @pytest.mark.parametrize("R", [1, 3, 4, 7])
@@ -183,7 +215,7 @@ def test_qk_i8_prefetch_rows_change_nothing(kernels):
     for xb, xo, xn, xrow, xes in ((kb, offs, 0, 0, 1), (kb, offs, n, D, 1), (other, ooffs, n, 64, 2),
                                   (other, ooffs, 3, 64, 2)):
         s = np.full((R, n), np.nan, np.float32)
-        qk(q, kb, offs, n, s, R, D, qs, xb, xo, xn, xrow, xes)
+        qk(q, kb, offs, n, s, R, D, qs, xb, xo, xn, xrow, xes, 32)
         outs.append(s)
     assert np.isfinite(outs[0]).all()
     for s in outs[1:]:
