@@ -31,7 +31,7 @@ F16C = platform.machine().lower() in ("aarch64", "arm64") or target_has("f16c")
 # blocks below in two, and their 16-32 accumulators spill (AMD Zen 3, AVX2, in L2, ns per key, 4 rows:
 # QK 24-34, PV 45). NARROW kernels work on 8 lanes with at most 8 accumulators (qk_narrow, _pv_narrow).
 NARROW = not target_has("avx512f")
-# bf16 K / V for the NARROW kernels, widened in even / odd halves (_widen_eo): one 32-byte load of 16 values
+# bf16 K / V for the NARROW kernels, widened in even / odd halves (widen_eo): one 32-byte load of 16 values
 # gives the even-indexed ones as `bits << 16` and the odd-indexed ones as `bits & 0xFFFF0000` (1 load + 2 ALU
 # ops per 16 values; the zero-extending widening took 2 loads + 2 shuffles + 2 shifts, and on Zen 3 its
 # shuffles share a pipe with the FMAs). The caller pairs them: QK with the query de-interleaved the same way
@@ -86,7 +86,7 @@ def widen(b, p, kind: int, lanes: int = 16):
     return b.bitcast(b.shl(x, ir.Constant(vi, [16] * lanes)), vf)
 
 
-def _widen_eo(b, p):
+def widen_eo(b, p):
     """16 bf16 values at byte pointer p as (even-indexed, odd-indexed) <8 x float> (see KIND_BF16_EO)."""
     vi = _vec(I32, 8)
     w = load(b, p, vi)
@@ -188,13 +188,13 @@ def qk_narrow(b, op, qa, q_rs, ka, offp, sa, s_rs, R, n, D, x, eo=False, nc=None
                     qvs = [[load(b, gep(b, qrows[r], b.mul(kh, c64(op.qstep))), op.qty, qalign) for kh in ks]
                            for r in range(NR)]
                     for j, kp in enumerate(kps):
-                        ev_od = _widen_eo(b, gep(b, kp, b.mul(k, c64(2 * op.kstep))))
+                        ev_od = widen_eo(b, gep(b, kp, b.mul(k, c64(2 * op.kstep))))
                         for h in range(2):
                             for r in range(NR):
                                 b.store(op.dot(b, b.load(accs[r][j]), qvs[r][h], ev_od[h]), accs[r][j])
                     return
                 # k: a pair of chunks, 2k (even-indexed values) and 2k + 1 (odd-indexed), one load per key
-                halves = [_widen_eo(b, gep(b, kp, b.mul(k, c64(2 * op.kstep)))) for kp in kps]
+                halves = [widen_eo(b, gep(b, kp, b.mul(k, c64(2 * op.kstep)))) for kp in kps]
                 for h in range(2):
                     fmas(b.add(b.mul(k, c64(2)), c64(h)), [ev_od[h] for ev_od in halves])
             steps = b.udiv(nd, c64(2)) if eo else nd
@@ -231,7 +231,7 @@ def _pv_pass(b, kind, NR, DG, p0, p_rs, vaddr, offp, n, a0, a_rs, g, x, vrow, la
         prefetch_ahead(b, x, vaddr, offp, n, vrow, c64(es), c, 1)
         vp = gep(b, vbase, b.add(b.mul(b.load(gep(b, offp, c)), c64(es)), b.mul(g, c64(lanes * DG * es))))
         if kind == KIND_BF16_EO:                              # chunk pairs: even / odd channels (KIND_BF16_EO)
-            vs = [h for ch in range(0, DG, 2) for h in _widen_eo(b, gep(b, vp, c64(lanes * es * ch)))]
+            vs = [h for ch in range(0, DG, 2) for h in widen_eo(b, gep(b, vp, c64(lanes * es * ch)))]
         else:
             vs = [widen(b, gep(b, vp, c64(lanes * es * ch)), kind, lanes) for ch in range(DG)]   # row c in order
         for r in range(NR):

@@ -77,18 +77,21 @@ def _block(b, op, a0, a_rs, bp0, b_rs, npair, c0, c_rs, acc_in):
             store(b, b.load(accs[r][j]), gep(b, crow[r], c64(64 * j)), 4)
 
 
-def _gemm_body(op):
+def gemm_body(block: Callable, nr: int, cols: int, col_bytes: int) -> Callable:
+    """The body of a GEMM intrinsic (args aaddr, a_rs, baddr, b_rs, nk, caddr, c_rs, R, NCOL, accumulate): column
+    blocks of `cols` (col_bytes of B each) x row blocks of `nr`, each emitted by block(b, a0, a_rs, bp0, b_rs, nk,
+    c0, c_rs, acc_in); one copy of the loops for `=` and one for `+=` (gemm_narrow.py shares it)."""
     def body(b, args):
-        aa, ars, ba, brs, npr, ca, crs, R_, N_, acc = args
-        nrb = b.udiv(R_, c64(NR))
+        aa, ars, ba, brs, nk, ca, crs, R_, N_, acc = args
+        nrb = b.udiv(R_, c64(nr))
 
         def blocks(acc_in):
-            with cgutils.for_range(b, b.udiv(N_, c64(COLS))) as jl:
-                j0 = b.mul(jl.index, c64(COLS))
+            with cgutils.for_range(b, b.udiv(N_, c64(cols))) as jl:
+                j0 = b.mul(jl.index, c64(cols))
                 with cgutils.for_range(b, nrb) as rl:
-                    r0 = b.mul(rl.index, c64(NR))
-                    _block(b, op, b.add(aa, b.mul(r0, ars)), ars, b.add(ba, b.mul(j0, c64(op.b_vec // 16))), brs,
-                           npr, b.add(ca, b.add(b.mul(r0, crs), b.mul(j0, c64(4)))), crs, acc_in)
+                    r0 = b.mul(rl.index, c64(nr))
+                    block(b, b.add(aa, b.mul(r0, ars)), ars, b.add(ba, b.mul(j0, c64(col_bytes))), brs, nk,
+                          b.add(ca, b.add(b.mul(r0, crs), b.mul(j0, c64(4)))), crs, acc_in)
         with b.if_else(b.icmp_unsigned("!=", acc, c64(0))) as (then, otherwise):
             with then:
                 blocks(True)
@@ -97,18 +100,22 @@ def _gemm_body(op):
     return body
 
 
-def _gemm_intrinsic(op: _Op, name: str, doc: str):
-    """A numba intrinsic (aaddr, a_rs, baddr, b_rs, nk, caddr, c_rs, R, NCOL, accumulate) running _gemm_body(op)
+def gemm_intrinsic(body: Callable, name: str, doc: str):
+    """A numba intrinsic (aaddr, a_rs, baddr, b_rs, nk, caddr, c_rs, R, NCOL, accumulate) running `body` (gemm_body)
     as its own outlined function `name`."""
     def gemm(typingctx, aaddr, a_rs, baddr, b_rs, nk, caddr, c_rs, R, NCOL, accumulate):
         sig = types.void(*([types.int64] * 10))
 
         def codegen(context, builder, signature, args):
-            return outlined(context, builder, name, args, _gemm_body(op))
+            return outlined(context, builder, name, args, body)
         return sig, codegen
     gemm.__name__ = gemm.__qualname__ = name
     gemm.__doc__ = doc
     return intrinsic(gemm)
+
+
+def _gemm_intrinsic(op: _Op, name: str, doc: str):
+    return gemm_intrinsic(gemm_body(lambda b, *a: _block(b, op, *a), NR, COLS, op.b_vec // 16), name, doc)
 
 
 gemm_bf16 = _gemm_intrinsic(_BF16, "fia_gemm_bf16", """C (float32 at caddr, rows c_rs bytes apart) [+]= A . B

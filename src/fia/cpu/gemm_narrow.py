@@ -22,12 +22,11 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 from llvmlite import ir
-from numba import types
 from numba.core import cgutils
-from numba.extending import intrinsic
 
-from .fma import F16C, _widen_eo, fmadd, widen
-from .simd import F32, KIND_FP16, c64, gep, load, outlined, ptr, splat, store, var
+from .fma import F16C, widen_eo, fmadd, widen
+from .gemm import gemm_body, gemm_intrinsic
+from .simd import F32, KIND_FP16, c64, gep, load, ptr, splat, store, var
 
 NR, NJ = 6, 2                 # rows x 8-column vectors per register block (12 of the 16 ymm registers)
 ROWS = NR                     # R must be a multiple of this
@@ -46,7 +45,7 @@ class _Op(NamedTuple):
 
 _F32 = _Op(32, 1, lambda b, p: (load(b, p, V8F, 4),))
 _F16 = _Op(16, 1, lambda b, p: (widen(b, p, KIND_FP16, 8),))
-_BF16 = _Op(32, 2, _widen_eo)
+_BF16 = _Op(32, 2, widen_eo)
 
 
 def _block(b, op, a0, a_rs, bp0, b_rs, nk, c0, c_rs, acc_in, nr, nj):
@@ -72,44 +71,14 @@ def _block(b, op, a0, a_rs, bp0, b_rs, nk, c0, c_rs, acc_in, nr, nj):
             store(b, b.load(accs[r][j]), gep(b, crow[r], c64(32 * j)), 4)
 
 
-def _gemm_body(op, nr, nj):
-    def body(b, args):
-        aa, ars, ba, brs, nk, ca, crs, R_, N_, acc = args
-        nrb = b.udiv(R_, c64(nr))
-        cols = 8 * nj
-
-        def blocks(acc_in):
-            with cgutils.for_range(b, b.udiv(N_, c64(cols))) as jl:
-                j0 = b.mul(jl.index, c64(cols))
-                with cgutils.for_range(b, nrb) as rl:
-                    r0 = b.mul(rl.index, c64(nr))
-                    _block(b, op, b.add(aa, b.mul(r0, ars)), ars, b.add(ba, b.mul(j0, c64(op.b_vec // 8))), brs,
-                           nk, b.add(ca, b.add(b.mul(r0, crs), b.mul(j0, c64(4)))), crs, acc_in, nr, nj)
-        with b.if_else(b.icmp_unsigned("!=", acc, c64(0))) as (then, otherwise):
-            with then:
-                blocks(True)
-            with otherwise:
-                blocks(False)
-    return body
+def _intrinsic(op: _Op, name: str, doc: str, nr: int = NR, nj: int = NJ):
+    """gemm.gemm_intrinsic of this module's nr x nj blocks."""
+    return gemm_intrinsic(gemm_body(lambda b, *a: _block(b, op, *a, nr, nj), nr, 8 * nj, op.b_vec // 8), name, doc)
 
 
-def gemm_intrinsic(op: _Op, name: str, doc: str, nr: int = NR, nj: int = NJ):
-    """A numba intrinsic (aaddr, a_rs, baddr, b_rs, nk, caddr, c_rs, R, NCOL, accumulate) running
-    _gemm_body(op) with nr x nj blocks as its own outlined function `name`."""
-    def gemm(typingctx, aaddr, a_rs, baddr, b_rs, nk, caddr, c_rs, R, NCOL, accumulate):
-        sig = types.void(*([types.int64] * 10))
-
-        def codegen(context, builder, signature, args):
-            return outlined(context, builder, name, args, _gemm_body(op, nr, nj))
-        return sig, codegen
-    gemm.__name__ = gemm.__qualname__ = name
-    gemm.__doc__ = doc
-    return intrinsic(gemm)
-
-
-gemm_f32n = gemm_intrinsic(_F32, "fia_gemm_f32n", """C (float32 at caddr, rows c_rs bytes apart) [+]= A . B
+gemm_f32n = _intrinsic(_F32, "fia_gemm_f32n", """C (float32 at caddr, rows c_rs bytes apart) [+]= A . B
     for float32 A rows (a_rs bytes apart) and float32 B rows (b_rs bytes apart) over nk steps, R rows (multiple
     of ROWS) x NCOL columns (multiple of COLS); accumulate != 0: C += (else C =).""")
-gemm_f16n = gemm_intrinsic(_F16, "fia_gemm_f16n", """gemm_f32n with float16 B rows (widened in registers).""")
-gemm_bf16n = gemm_intrinsic(_BF16, "fia_gemm_bf16n", """gemm_f32n over nk bf16 pairs: B pair-packed (see the
+gemm_f16n = _intrinsic(_F16, "fia_gemm_f16n", """gemm_f32n with float16 B rows (widened in registers).""")
+gemm_bf16n = _intrinsic(_BF16, "fia_gemm_bf16n", """gemm_f32n over nk bf16 pairs: B pair-packed (see the
     module doc), A float32 rows of 2 nk elements.""")

@@ -34,14 +34,14 @@ def _mask_dtype(ctx: Ctx, m: torch.Tensor, row_fix: bool) -> None:
         raise ctx.err("atten_mask", "dtype bool, int8 or uint8", f"dtype {str(m.dtype).replace('torch.', '')}")
 
 
-def _is_template(m: torch.Tensor) -> bool:
+def is_template(m: torch.Tensor) -> bool:
     return tuple(m.shape) in ((TEMPLATE, TEMPLATE), (1, TEMPLATE, TEMPLATE), (1, 1, TEMPLATE, TEMPLATE))
 
 
 def _template(ctx: Ctx, m: Optional[torch.Tensor], mode: int) -> None:
     if m is None:
         raise ctx.err("atten_mask", f"the 2048x2048 lower-triangular template for sparse_mode {mode}", "None")
-    if not _is_template(m):
+    if not is_template(m):
         raise ctx.err("atten_mask", f"shape (2048, 2048), (1, 2048, 2048) or (1, 1, 2048, 2048) for "
                       f"sparse_mode {mode}", m)
 

@@ -21,7 +21,7 @@ from typing import Optional, Tuple
 import torch
 
 from .context import Ctx, dtype_name
-from .masking import _is_template
+from .masking import is_template
 
 F16, BF16, I8 = torch.float16, torch.bfloat16, torch.int8
 FP4 = getattr(torch, "float4_e2m1fn_x2", None)          # §10b.1: FP4 E2M1, two per byte
@@ -126,7 +126,7 @@ def _mask(a: dict):
 
 def _template(a: dict) -> bool:
     m = _mask(a)
-    return m is not None and _is_template(m)
+    return m is not None and is_template(m)
 
 
 def _no_extras(ctx: Ctx, a: dict, c: V4Call, table: str, *, lse_ok: bool = True, quant: bool = True,
