@@ -106,8 +106,11 @@ def test_wrong_answer_is_not_timed(monkeypatch):
 
 def test_case_table_and_cli_list(capsys):
     names = [c.name for c in C.full_table()]
-    assert len(names) == len(set(names)) == 51
-    assert {"decode-bf16-fp4-kv4096", "decode-bf16-fp4-kv16384"} <= set(names)
+    assert len(names) == len(set(names)) == 53
+    assert {"decode-bf16-fp4-kv4096", "decode-bf16-fp4-kv16384", "decode-bf16-int8-nz-kv4096",
+            "decode-bf16-int8-nz-kv16384"} <= set(names)
+    nz = C.decode_case("bf16", "int8-nz", 4096, N=64)
+    assert nz.dense_twin().storage == "int8-paged" and nz.dense_twin().kv_bytes() == nz.kv_bytes()
     mtp = C.multi_token_decode_case(4, 4096)
     assert mtp.name in names and mtp.S_q == 4 and mtp.kv_bytes() == C.decode_case("bf16", "dense", 4096).kv_bytes()
     assert main(["--quick", "--list", "--cases", "prefill"]) == 0

@@ -130,9 +130,9 @@ def test_qk_i8(kernels, R, n, D):
     _check_qk(s, ref, mag)
 
 
-@pytest.mark.parametrize("R", [1, 4, 5])
-@pytest.mark.parametrize("n", [1, 6, 13, 64])
-@pytest.mark.parametrize("D", [32, 128, 256])
+@pytest.mark.parametrize("R", [1, 5])
+@pytest.mark.parametrize("n", [6, 13, 64])
+@pytest.mark.parametrize("D", [32, 128])
 def test_qk_i8_nz_rows(kernels, R, n, D):
     """Keys of a 5-D NZ cache (SPEC 8b: a row is D / 32 fragments of 32 bytes, block_size x 32 bytes apart) read in
     place with kfs = block_size x 32: the scores of the same keys as plain rows. The bytes between a row's
