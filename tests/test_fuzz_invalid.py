@@ -49,6 +49,7 @@ from fia import aclnn
 from fia.backends import registry
 from fia.errors import FiaBackendUnavailable, FiaInputError, FiaUnsupportedError
 from fia.parse.entries import FUSED_DEFAULTS, V2_MAP
+from util import cumsum
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 I8, I16, I32, I64, U8, BOOL, C64 = torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool, \
@@ -265,14 +266,6 @@ def from_layout(x: torch.Tensor, lay: str, n: int) -> torch.Tensor:
     if base == "BSND":
         return x.permute(0, 2, 1, 3)
     return x
-
-
-def cumsum(xs):
-    out, s = [], 0
-    for x in xs:
-        s += x
-        out.append(s)
-    return out
 
 
 # ============================================================================================ families

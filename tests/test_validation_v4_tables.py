@@ -15,6 +15,7 @@ import torch
 import fia
 from fia.parse.context import Ctx
 from fia.parse.v4_rules import E8M0, FP4, V4Call, check_call
+from util import cumsum
 
 pytestmark = pytest.mark.backend_independent
 
@@ -85,7 +86,7 @@ def tnd(*, d=128, dv=None, n=2, kvn=2, qlens=(2, 3), kvlens=(4, 5), layout="TND"
     def lay(h, t, x):
         return (h, t, x) if layout.startswith("NTD") else (t, h, x)
     a = dict(num_heads=n, num_key_value_heads=kvn, input_layout=layout, scale=0.08,
-             actual_seq_lengths=list(_cum(qlens)), actual_seq_lengths_kv=list(_cum(kvlens)))
+             actual_seq_lengths=cumsum(qlens), actual_seq_lengths_kv=cumsum(kvlens))
     if rope:
         a.update(query_rope=r(*lay(n, tq, 64), dtype=dt), key_rope=r(*lay(kvn, tk, 64), dtype=dt))
     a.update(kw)
@@ -109,7 +110,7 @@ def tnd_paged(*, d=128, dv=None, n=2, kvn=2, qlens=(1, 1), kvlens=(20, 9), bs=12
     k = r(nb, bs, kvn * d, dtype=dt)
     v = k if latent else r(nb, bs, kvn * dv, dtype=dt)
     a = dict(num_heads=n, num_key_value_heads=kvn, input_layout=layout, scale=0.05, block_table=table,
-             block_size=bs, actual_seq_lengths=list(_cum(qlens)), actual_seq_lengths_kv=list(kvlens))
+             block_size=bs, actual_seq_lengths=cumsum(qlens), actual_seq_lengths_kv=list(kvlens))
     if rope:
         a.update(query_rope=r(n, tq, 64, dtype=dt) if layout.startswith("NTD") else r(tq, n, 64, dtype=dt),
                  key_rope=r(nb, bs, kvn * 64, dtype=dt))
@@ -117,14 +118,6 @@ def tnd_paged(*, d=128, dv=None, n=2, kvn=2, qlens=(1, 1), kvlens=(20, 9), bs=12
         a.update(sparse_mode=3, atten_mask=tmpl())
     a.update(kw)
     return (q, k, v), a
-
-
-def _cum(xs):
-    out, s = [], 0
-    for x in xs:
-        s += x
-        out.append(s)
-    return out
 
 
 def with_(base, **kw):
