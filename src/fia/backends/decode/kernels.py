@@ -1410,35 +1410,30 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
                     # at a time (the first group prefetches), then the rest of the keys as below
                     ka = kbu.ctypes.data
                     ko = koff
-                    fp4_sub = k_kind == KIND_FP4 and not amx_qk
-                    if k_kind == KIND_FP4:                 # the chunk as bf16 rows (knext: group scales, then rows)
+                    step = n
+                    if k_kind == KIND_FP4:                 # bf16 rows first (knext: group scales, then rows),
                         row_offsets(kt_tbl, i, c0, n, ip[IP_KT_BS], ip[IP_KT_BLK], h * ip[IP_KT_H], ip[IP_KT_S],
                                     knext)
                         ka = kf16.ctypes.data
                         ko = knext
-                        if not fp4_sub:
-                            fp4_rows(kbu, koff, 0, n, kgs, knext, kf16, D, knext)
-                    n0 = n
-                    if fp4_sub:                            # FP4_SUB rows decoded at a time: they stay in L1
-                        for c1 in range(0, n, FP4_SUB):
-                            m1 = min(FP4_SUB, n - c1)
+                        step = n if amx_qk else FP4_SUB    # FP4_SUB rows at a time (they stay in L1); AMX all
+                    for c1 in range(0, n, step):
+                        m1 = min(step, n - c1)
+                        if k_kind == KIND_FP4:
                             fp4_rows(kbu, koff, c1, m1, kgs, knext, kf16, D, knext)
-                            qk_dp(q2.ctypes.data, q2.shape[1] * 2, ka, ko.ctypes.data + 8 * c1, m1,
-                                  s.ctypes.data + 4 * c1, s.shape[1], R, D, scale, vbuf.ctypes.data,
-                                  vpf.ctypes.data + 8 * c1, m1 if pf else 0, v_row, v_es)
-                    else:
                         n0 = 0
-                    if amx_qk:
-                        n0 = n & ~15
-                        for r0 in range(0, R, QK_MAX_ROWS):
-                            qk_amx(q2.ctypes.data + r0 * q2.shape[1] * 2, q2.shape[1] * 2, ka,
-                                   ko.ctypes.data, n0, s.ctypes.data + r0 * s.shape[1] * 4, s.shape[1],
-                                   min(QK_MAX_ROWS, R - r0), D, scale, vbuf.ctypes.data, vpf.ctypes.data,
-                                   n0 if pf and r0 == 0 else 0, v_row, v_es)
-                    if n0 < n:
-                        qk_dp(q2.ctypes.data, q2.shape[1] * 2, ka, ko.ctypes.data + 8 * n0, n - n0,
-                              s.ctypes.data + 4 * n0, s.shape[1], R, D, scale, vbuf.ctypes.data,
-                              vpf.ctypes.data + 8 * n0, n - n0 if pf else 0, v_row, v_es)
+                        if amx_qk:
+                            n0 = m1 & ~15
+                            for r0 in range(0, R, QK_MAX_ROWS):
+                                qk_amx(q2.ctypes.data + r0 * q2.shape[1] * 2, q2.shape[1] * 2, ka,
+                                       ko.ctypes.data + 8 * c1, n0, s.ctypes.data + r0 * s.shape[1] * 4 + 4 * c1,
+                                       s.shape[1], min(QK_MAX_ROWS, R - r0), D, scale, vbuf.ctypes.data,
+                                       vpf.ctypes.data + 8 * c1, n0 if pf and r0 == 0 else 0, v_row, v_es)
+                        if n0 < m1:
+                            d0 = c1 + n0
+                            qk_dp(q2.ctypes.data, q2.shape[1] * 2, ka, ko.ctypes.data + 8 * d0, m1 - n0,
+                                  s.ctypes.data + 4 * d0, s.shape[1], R, D, scale, vbuf.ctypes.data,
+                                  vpf.ctypes.data + 8 * d0, m1 - n0 if pf else 0, v_row, v_es)
                 elif i8_now:
                     n_i8 += 1
                     qk_i8(q2.ctypes.data, q2.shape[1] * 2, kbu.ctypes.data, koff.ctypes.data, n, s.ctypes.data,
@@ -1559,30 +1554,29 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
                     if dp_pv:
                         va = vbu.ctypes.data
                         vo = voff
-                        n0 = n & ~15 if amx_pv else 0            # AMX: the whole 16-key blocks (they prefetch)
+                        step = n
                         if v_kind == KIND_FP4:             # as K (roff: free, FP4 never has a rope)
                             row_offsets(vt_tbl, i, c0, n, ip[IP_VT_BS], ip[IP_VT_BLK], h * ip[IP_VT_H],
                                         ip[IP_VT_S], roff)
                             va = vf16.ctypes.data
                             vo = roff
-                            if amx_pv:
-                                fp4_rows(vbu, voff, 0, n, vgs, roff, vf16, Dv, roff)
-                            else:
-                                for c1 in range(0, n, FP4_SUB):
-                                    m1 = min(FP4_SUB, n - c1)
-                                    fp4_rows(vbu, voff, c1, m1, vgs, roff, vf16, Dv, roff)
-                                    pv_dp(p2.ctypes.data + 2 * c1, p2.shape[1] * 2, va, vo.ctypes.data + 8 * c1, m1,
-                                          tacc.ctypes.data, Dv, R, Dv, kbuf.ctypes.data, knext.ctypes.data + 8 * c1,
-                                          max(0, min(m1, nn - c1)), k_row, k_es)
-                                n0 = -1                      # (done)
-                        if n0 > 0:
-                            pv_amx(p2.ctypes.data, p2.shape[1] * 2, va, vo.ctypes.data, n0,
-                                   tacc.ctypes.data, Dv, R, Dv, kbuf.ctypes.data, knext.ctypes.data, nn, k_row, k_es)
-                            nn = 0
-                        if 0 <= n0 < n:
-                            pv_dp(p2.ctypes.data + 2 * n0, p2.shape[1] * 2, va,
-                                  vo.ctypes.data + 8 * n0, n - n0, tacc.ctypes.data, Dv, R, Dv, kbuf.ctypes.data,
-                                  knext.ctypes.data, nn, k_row, k_es)
+                            step = n if amx_pv else FP4_SUB
+                        for c1 in range(0, n, step):
+                            m1 = min(step, n - c1)
+                            if v_kind == KIND_FP4:
+                                fp4_rows(vbu, voff, c1, m1, vgs, roff, vf16, Dv, roff)
+                            pk = max(0, min(m1, nn - c1))     # the next chunk's K rows requested with these keys
+                            n0 = m1 & ~15 if amx_pv else 0       # AMX: the whole 16-key blocks (they prefetch)
+                            if n0 > 0:
+                                pv_amx(p2.ctypes.data + 2 * c1, p2.shape[1] * 2, va, vo.ctypes.data + 8 * c1, n0,
+                                       tacc.ctypes.data, Dv, R, Dv, kbuf.ctypes.data, knext.ctypes.data + 8 * c1, pk,
+                                       k_row, k_es)
+                                pk = 0
+                            if n0 < m1:
+                                d0 = c1 + n0
+                                pv_dp(p2.ctypes.data + 2 * d0, p2.shape[1] * 2, va, vo.ctypes.data + 8 * d0, m1 - n0,
+                                      tacc.ctypes.data, Dv, R, Dv, kbuf.ctypes.data, knext.ctypes.data + 8 * c1, pk,
+                                      k_row, k_es)
                     elif use_i8:
                         pv_i8(p2.ctypes.data, p2.shape[1] * 2, vbu.ctypes.data, voff.ctypes.data, n, tacc.ctypes.data,
                               Dv, R, Dv, isc.ctypes.data + 4 * R, kbuf.ctypes.data, knext.ctypes.data, nn, k_row, k_es)
