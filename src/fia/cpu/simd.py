@@ -722,6 +722,31 @@ def exp_rows(typingctx, saddr, n, mx, paddr, mode, inv):
     return sig, codegen
 
 
+# A flag on a float instruction keeps numba's fastmath pass (which flags only unflagged ones) off it: no
+# contraction or reassociation. Where a softmax loop scales its scores inside the exp's argument, the row's
+# maximum must give exactly s * scale - max = 0 (an FMA would leave the product's rounding error there:
+# +-half an ulp of the maximum, ~1e23 for scores of 1e30).
+EXACT = ("nsz",)
+
+
+def _exact_binop(op: str, name: str):
+    def fn(typingctx, x, y):
+        if not (x == y == types.float32):
+            return None
+        sig = types.float32(types.float32, types.float32)
+
+        def codegen(context, builder, signature, args):
+            return getattr(builder, op)(args[0], args[1], flags=EXACT)
+        return sig, codegen
+    fn.__name__ = fn.__qualname__ = name
+    fn.__doc__ = f"float32 x {op[1:]} y, rounded on its own (never fused or reassociated by fastmath)."
+    return intrinsic(fn)
+
+
+mul_exact = _exact_binop("fmul", "mul_exact")
+sub_exact = _exact_binop("fsub", "sub_exact")
+
+
 # ---------------------------------------------------------------------------------------------- row maxima
 @intrinsic
 def max_f32(typingctx, addr, n, init, absolute):

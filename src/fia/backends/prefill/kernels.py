@@ -21,9 +21,10 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
-from ..decode.kernels import FM, bf16_to_f32, claim, f32_to_bf16_bits, f32_to_half_bits, fexp, fp16_to_f32
+from ..decode.kernels import (FM, bf16_to_f32, claim, f32_to_bf16_bits, f32_to_half_bits, fexp, fexp2, fp16_to_f32,
+                              round_bf16_value)
 from ...cpu import kernel_cache
-from ...cpu.simd import max_f32
+from ...cpu.simd import max_f32, mul_exact, sub_exact
 from ...cpu import gemm, gemm_narrow
 from ...cpu.fma import NARROW
 from ...cpu.gemm import gemm_bf16, gemm_f16, gemm_f32
@@ -35,6 +36,8 @@ _GEMM_F16, _GEMM_F32 = (gemm_f16n, gemm_f32n) if NARROW else (gemm_f16, gemm_f32
 
 # Numba's cache of these kernels also follows the files whose code they embed (cpu/kernel_cache.py)
 kernel_cache.install()
+
+LOG2E = np.float32(1.4426950408889634)
 
 __all__ = ["COLS", "ROWS", "pack_items", "flash_items"]
 
@@ -123,7 +126,7 @@ def _pack_rows(k16, v16, kp, vp, S, b, h, t):
 
 
 def _pval(pb, e):
-    """The probability e as stored for the PV product: bf16 bits (uint16 scratch) or float32 (float16 calls)."""
+    """The probability e as stored for the PV product: bf16 bits (uint16 scratch) or float32."""
 
 
 @overload(_pval, jit_options={"fastmath": FM})
@@ -131,17 +134,6 @@ def _pval_impl(pb, e):
     if pb.dtype == types.uint16:
         return lambda pb, e: f32_to_bf16_bits(e)
     return lambda pb, e: e
-
-
-def _pround(pb, x):
-    """A float32 probability rounded to the nearest bf16 value (float32 scratch; bf16 bits stay as they are)."""
-
-
-@overload(_pround, jit_options={"fastmath": FM})
-def _pround_impl(pb, x):
-    if pb.dtype == types.uint16:
-        return lambda pb, x: x
-    return lambda pb, x: bf16_to_f32(f32_to_bf16_bits(x))
 
 
 def _qk(qs, kt, c0, c1, sc, RP, KT, D):
@@ -248,7 +240,7 @@ def _tile_open(ub, us, i0, nq, k0, pre, nxt, c0, c1, nk):
     return False
 
 
-@njit(fastmath=FM, cache=True)
+@njit(fastmath=FM, cache=True, inline="always")
 def _softmax_row(sc, pb, o, m, l, r, jlo, jhi, c0, c1, scale, mask, mbase, mf16, ub, ubase, us, Dv, rnd):
     """Online softmax of row r over the tile's scores sc[r, jlo:jhi] (the other columns of the computed
     range [c0, c1) are masked): scores scaled (+ mask), running max / sum updated, the accumulator row
@@ -262,6 +254,7 @@ def _softmax_row(sc, pb, o, m, l, r, jlo, jhi, c0, c1, scale, mask, mbase, mf16,
         pb[r, j] = 0
     for j in range(hi, np.uint64(c1)):
         pb[r, j] = 0
+    fold = mbase < 0 and ubase < 0 and scale > np.float32(0.0)      # the exp loop scales (sc keeps raw products)
     if mbase >= 0 and mf16:
         mb = np.uint64(mbase) - lo
         for j in range(lo, hi):
@@ -270,7 +263,7 @@ def _softmax_row(sc, pb, o, m, l, r, jlo, jhi, c0, c1, scale, mask, mbase, mf16,
         mb = np.uint64(mbase) - lo
         for j in range(lo, hi):
             sc[r, j] = sc[r, j] * scale + _val(mask[mb + j], False)
-    else:
+    elif not fold:
         for j in range(lo, hi):
             sc[r, j] = sc[r, j] * scale
     if ubase >= 0:
@@ -284,6 +277,8 @@ def _softmax_row(sc, pb, o, m, l, r, jlo, jhi, c0, c1, scale, mask, mbase, mf16,
                 if _masked(ub, u0 + 2 * (j - lo), 2):
                     sc[r, j] = np.float32(-np.inf)
     cm = max_f32(sc.ctypes.data + r * sc.strides[0] + 4 * jlo, hi - lo, np.float32(-np.inf), 0)
+    if fold:
+        cm = cm * scale                                # rounding is monotonic: the maximum of the scaled scores
     mo = m[r]
     mx = cm if cm > mo else mo
     if mx == np.float32(-np.inf):                      # nothing finite yet: the row stays empty ...
@@ -293,19 +288,47 @@ def _softmax_row(sc, pb, o, m, l, r, jlo, jhi, c0, c1, scale, mask, mbase, mf16,
                 l[r] = np.float32(np.nan)
         return
     alpha = fexp(mo - mx)
+    sx = scale if fold else np.float32(1.0)
     ls = np.float32(0.0)
-    for j in range(lo, hi):
-        e = fexp(sc[r, j] - mx)
-        ls += e
-        pb[r, j] = _pval(pb, e)
-    if rnd:                                            # a pass of its own: the exp loop stays branch-free
+    if rnd:
         for j in range(lo, hi):
-            pb[r, j] = _pround(pb, pb[r, j])
+            e = fexp2(sub_exact(mul_exact(sc[r, j], sx), mx) * LOG2E)
+            ls += e
+            pb[r, j] = round_bf16_value(e)
+    else:
+        for j in range(lo, hi):
+            e = fexp2(sub_exact(mul_exact(sc[r, j], sx), mx) * LOG2E)
+            ls += e
+            pb[r, j] = _pval(pb, e)
     l[r] = l[r] * alpha + ls
     m[r] = mx
     if alpha != np.float32(1.0):
         for d in range(np.uint64(Dv)):
             o[r, d] *= alpha
+
+
+@njit(fastmath=FM, cache=True)
+def _softmax_tile(sc, pb, o, m, l, b, n0, RB, i0, nq, QB, k0, c0, c1, nk, pre, nxt, sf, mask, ms, mf16, ub, us, Dv,
+                  rnd):
+    """_softmax_row over the rows of one key tile (computed columns [c0, c1) of the tile at key k0): rows
+    r = g * QB + ii < RB are head n0 + g at position i0 + ii (ii < nq); the others (padding) get zero
+    probabilities. One call per tile: a call per row spent ~140 cycles passing its arguments."""
+    for r in range(sc.shape[0]):
+        g, ii = divmod(r, QB)
+        if r >= RB or ii >= nq:
+            for j in range(c0, c1):
+                pb[r, j] = 0
+            continue
+        i = i0 + ii
+        jlo = min(max(c0, i - pre - k0), c1)
+        jhi = max(min(nk, i + nxt + 1 - k0), jlo)
+        mbase = -1
+        if ms[3] != 0:
+            mbase = ms[0] * b + ms[1] * (n0 + g) + ms[2] * i + k0 + jlo
+        ubase = -1
+        if us[2] != 0:
+            ubase = us[0] * i + us[1] * (k0 + jlo)
+        _softmax_row(sc, pb, o, m, l, r, jlo, jhi, c0, c1, sf, mask, mbase, mf16, ub, ubase, us, Dv, rnd)
 
 
 @njit(nogil=True, cache=True)
@@ -383,22 +406,8 @@ def _items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pre, nx
             if us[2] != 0 and not _tile_open(ub, us, i0, nq, k0, pre, nxt, c0, c1, nk):
                 continue                                             # every key of the tile user-masked
             _qk(qs, kp[b, h, t], c0, c1, sc, RP, KT, D)
-            for r in range(RP):
-                ii = r % QB
-                if r >= RB or ii >= nq:
-                    for j in range(c0, c1):
-                        pb[r, j] = 0
-                    continue
-                i = i0 + ii
-                jlo = min(max(c0, i - pre - k0), c1)
-                jhi = max(min(nk, i + nxt + 1 - k0), jlo)
-                mbase = -1
-                if ms[3] != 0:
-                    mbase = ms[0] * b + ms[1] * (h * G + r // QB) + ms[2] * i + k0 + jlo
-                ubase = -1
-                if us[2] != 0:
-                    ubase = us[0] * i + us[1] * (k0 + jlo)
-                _softmax_row(sc, pb, o, m, l, r, jlo, jhi, c0, c1, sf, mask, mbase, f16, ub, ubase, us, Dv, rnd)
+            _softmax_tile(sc, pb, o, m, l, b, h * G, RB, i0, nq, QB, k0, c0, c1, nk, pre, nxt, sf, mask, ms, f16,
+                          ub, us, Dv, rnd)
             _pv(pb, vp[b, h, t], c0, c1, o, RP, KT, Dv)
         for g in range(G):
             n = h * G + g
