@@ -28,6 +28,7 @@ TINY = [
     C.Case("tiny-decode-int8", "decode", "bf16", 2, 4, 2, 64, 1, 256, storage="int8-tok"),
     C.Case("tiny-prefill-band", "prefill", "bf16", 1, 4, 2, 64, 256, 256, mask="band", pre=32, next=16),
     C.Case("tiny-prefill-pse", "prefill", "fp16", 1, 4, 2, 64, 128, 128, mask="pse"),
+    C.Case("tiny-prefill-psecausal", "prefill", "bf16", 1, 4, 2, 64, 128, 128, mask="psecausal"),
 ]
 IMPL_KEYS = {"status", "peak_mb"}
 CASE_KEYS = {"name", "kind", "dtype", "metric", "ceiling", "ceiling_basis", "kv_bytes", "flops", "check", "fia",
@@ -106,7 +107,7 @@ def test_wrong_answer_is_not_timed(monkeypatch):
 
 def test_case_table_and_cli_list(capsys):
     names = [c.name for c in C.full_table()]
-    assert len(names) == len(set(names)) == 53
+    assert len(names) == len(set(names)) == 59
     assert {"decode-bf16-fp4-kv4096", "decode-bf16-fp4-kv16384", "decode-bf16-int8-nz-kv4096",
             "decode-bf16-int8-nz-kv16384"} <= set(names)
     nz = C.decode_case("bf16", "int8-nz", 4096, N=64)
@@ -118,6 +119,7 @@ def test_case_table_and_cli_list(capsys):
     assert out and all("prefill" in n for n in out)
     causal = C.prefill_case("bf16", "causal", 1024)
     assert causal.flops() == 4 * 32 * 128 * (1024 * 1025 // 2)
+    assert C.prefill_case("bf16", "psecausal", 1024).flops() == causal.flops()
 
 
 def test_demo_paged_and_fallback(monkeypatch):

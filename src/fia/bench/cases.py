@@ -7,7 +7,8 @@ antiquant scales, or FP4 E2M1 with per-token-group FLOAT8_E8M0 scales (mode 6, t
 pool [blocks, KV_N, block_size, D] with per-channel scales; "-int8-nz": the same pool as the 5-D NZ cache
 (blocks, KV_N, D/32, block_size, 32) of SPEC 8b, whose twin is the 4-D pool (not a dense cache).
 Prefill: Q_S = KV_S = S, one of causal (sparse_mode 2 + the 2048x2048 template), band (sparse_mode 4,
-pre = next = 256, template) or pse_shift (an ALiBi bias [1, N, S, S], no mask).
+pre = next = 256, template), pse_shift (an ALiBi bias [1, N, S, S], no mask) or "psecausal": the ALiBi bias with the
+causal mask (sparse_mode 2 + template).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import torch
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 STORAGES = ("dense", "paged", "int8-chan", "int8-tok")
-MASKS = ("causal", "band", "pse")
+MASKS = ("causal", "band", "pse", "psecausal")
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class Case:
     S_kv: int
     storage: str = "dense"    # dense | paged | int8-chan | int8-tok | fp4 | int8-paged | int8-nz
     layout: str = "BNSD"      # BNSD | BSND (dense) | BSH (paged): how K / V (and Q) are laid out
-    mask: str = "none"        # none | causal | band | pse
+    mask: str = "none"        # none | causal | band | pse | psecausal
     block_size: int = 128
     pre: int = 256
     next: int = 256
@@ -57,7 +58,7 @@ class Case:
         if self.mask in ("none", "pse"):
             return s1 * s2
         i = np.arange(s1, dtype=np.int64)
-        if self.mask == "causal":                      # sparse_mode 2: j <= i
+        if self.mask in ("causal", "psecausal"):       # sparse_mode 2: j <= i
             lo, hi = np.zeros_like(i), np.minimum(i, s2 - 1)
         else:                                          # sparse_mode 4: band on the bottom-right diagonal
             pre, nxt = self.pre - s2 + s1, self.next + s2 - s1
@@ -100,7 +101,7 @@ class Case:
     def input_bytes(self) -> int:
         """Rough resident size of the inputs (for the memory guard)."""
         esz = self.torch_dtype.itemsize
-        pse = self.B * self.N * self.S_q * self.S_kv * esz if self.mask == "pse" else 0
+        pse = self.B * self.N * self.S_q * self.S_kv * esz if self.mask.startswith("pse") else 0
         return self.kv_bytes() + self.B * self.N * self.S_q * self.D * esz + pse
 
 
@@ -205,6 +206,8 @@ class Inputs:
             kw.update(atten_mask=self.mask, sparse_mode=4, pre_tokens=c.pre, next_tokens=c.next)
         elif c.mask == "pse":
             kw.update(pse_shift=self.pse)
+        elif c.mask == "psecausal":
+            kw.update(pse_shift=self.pse, atten_mask=self.mask, sparse_mode=2)
         return kw
 
     def fia_args(self) -> tuple:
@@ -326,8 +329,8 @@ def build(case: Case, seed: int = 0) -> Inputs:
         else:
             sc = lambda: (torch.rand(1, B, S_kv, generator=g) + 0.5) / 64              # noqa: E731
         inp.k_scale, inp.v_scale = sc(), sc()
-    if case.mask in ("causal", "band"):
+    if case.mask in ("causal", "band", "psecausal"):
         inp.mask = template_mask()
-    elif case.mask == "pse":
+    if case.mask.startswith("pse"):
         inp.pse = alibi(N, S_q, S_kv, dt)
     return inp

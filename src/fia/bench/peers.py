@@ -7,6 +7,7 @@ The peer is the torch-only way to get the same result, and everything it needs i
 * causal (sparse_mode 2, Q_S == KV_S): `is_causal=True`.
 * band (sparse_mode 4): a bool mask [S_q, S_kv] (SDPA's convention: True = takes part), built once.
 * pse_shift: passed as the float additive `attn_mask` [1, N, S_q, S_kv] (S = scale·QKᵀ + pse in both).
+* pse_shift with the causal mask: the equivalent float mask, pse with -inf above the diagonal (built once).
 """
 from __future__ import annotations
 
@@ -57,6 +58,9 @@ def sdpa_call(inp: Inputs, compute_dtype: torch.dtype | None = None) -> Callable
         mask = band_keep(c.S_q, c.S_kv, c.pre, c.next)             # [S_q, S_kv] bool
     elif c.mask == "pse":
         mask = inp.pse if compute_dtype is None else inp.pse.to(dt)  # [1, N, S_q, S_kv]
+    elif c.mask == "psecausal":
+        above = torch.ones(c.S_q, c.S_kv, dtype=torch.bool).triu_(1)  # [S_q, S_kv] j > i
+        mask = inp.pse.to(dt).masked_fill(above, float("-inf"))     # [1, N, S_q, S_kv]
 
     def kv():
         if c.storage == "paged":

@@ -103,7 +103,8 @@ NOTES = """\
   ceiling = the best of the dtype's and float32's torch.mm rate (fp32 when native bf16/fp16 mm is slower).
 - SDPA = torch.nn.functional.scaled_dot_product_attention on the same problem, everything inside the timed
   call: enable_gqa=True; paged KV gathered to a dense tensor first; int8 KV dequantized first; causal via
-  is_causal; band as a bool mask; pse_shift as the float additive mask.
+  is_causal; band as a bool mask; pse_shift as the float additive mask (with the causal mask: pse with -inf
+  above the diagonal).
 - x dense (paged, int8 and token-major "-bsnd" / "-bsh" decode cases): FIA on the same problem with a dense BNSD
   K / V cache of the case's dtype (its "dense twin", checked like a case), timed in the same blocks: FIA / twin /
   SDPA / twin / FIA, so the ratio (twin ms / case ms: > 1 = faster than dense) is not the host's drift between
