@@ -286,3 +286,36 @@ def test_flash_user_mask_in_place(dtype):
     assert torch.isneginf(l[0, :, 17]).all() and (o[0, :, 17] == 0).all()
     assert not PF.user_mask_ok(big[:, ::2])                     # strided keys: not read in place
     assert not PF.user_mask_ok(big.float())
+
+
+def test_softmax_exp_helpers():
+    """fexp2 (the prefill softmax's exp) against float64 over its range, -inf / NaN / underflow; round_bf16_value
+    against torch's bf16 rounding (ties to even); the scaled difference stays unfused under fastmath: the row's
+    maximum gives exactly 0 even where the product's rounding error is ~1e23."""
+    from fia.backends.decode.kernels import FM, fexp2, round_bf16_value
+    from fia.cpu.simd import mul_exact, sub_exact
+
+    @njit(fastmath=FM)
+    def run(t, x, s, scale, mx, e, r, d):
+        for i in range(t.size):
+            e[i] = fexp2(t[i])
+        for i in range(x.size):
+            r[i] = round_bf16_value(x[i])
+        for i in range(s.size):
+            d[i] = sub_exact(mul_exact(s[i], scale), mx)
+
+    g = np.random.default_rng(7)
+    t = np.concatenate([g.uniform(-130, 0.5, 200_000), [-np.inf, np.nan, -1e30, -125.0, -126.0, 0.0]]).astype(np.float32)
+    x = np.concatenate([g.uniform(0, 1, 100_000), np.ldexp(1 + np.arange(1, 256) / 256 + 2 ** -9, -3)]).astype(np.float32)
+    s = (g.standard_normal(1000) * 10).astype(np.float32)
+    scale = np.float32(1e30)
+    mx = np.float32(s.max() * scale)
+    e, r, d = np.full_like(t, np.nan), np.full_like(x, np.nan), np.full_like(s, np.nan)
+    run(t, x, s, scale, mx, e, r, d)
+    ref = np.exp2(t.astype(np.float64))
+    live = t >= -125
+    assert np.abs(e[live] / ref[live] - 1).max() < 2.5e-7
+    assert (e[~live & ~np.isnan(t)] == 0).all() and np.isnan(e[np.isnan(t)]).all()
+    want = torch.from_numpy(x).to(torch.bfloat16).float().numpy()
+    np.testing.assert_array_equal(r, want)
+    assert d[s.argmax()] == 0 and (d <= 0).all()
