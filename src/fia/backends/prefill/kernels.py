@@ -136,6 +136,21 @@ def _pval_impl(pb, e):
     return lambda pb, e: e
 
 
+def _prob_scratch(sc, pb):
+    """Where a tile's probabilities go: float32 ones over the scores themselves (each written after its score
+    is read; 96 KB less in L2, which holds the tile's scores, K / V tiles and accumulators: ~320 KB of a
+    512 KB L2 on AMD Zen 3), bf16 bits into pb. Taken inside the function that loops over both, so that
+    LLVM sees one pointer (two array arguments that overlap would send its vectorized loops to the scalar
+    fallback)."""
+
+
+@overload(_prob_scratch)
+def _prob_scratch_impl(sc, pb):
+    if pb.dtype == types.uint16:
+        return lambda sc, pb: pb
+    return lambda sc, pb: sc
+
+
 def _qk(qs, kt, c0, c1, sc, RP, KT, D):
     """sc[:RP, c0:c1] = qs . key tile kt (bf16: query bits . packed pairs, or float32 query . packed pairs on
     8-lane CPUs; float16 / float32: float32 query . K^T rows)."""
@@ -283,9 +298,9 @@ def _softmax_row(sc, pb, o, m, l, r, jlo, jhi, c0, c1, scale, mask, mbase, mf16,
     mx = cm if cm > mo else mo
     if mx == np.float32(-np.inf):                      # nothing finite yet: the row stays empty ...
         for j in range(lo, hi):
-            pb[r, j] = 0
             if sc[r, j] != sc[r, j]:                   # ... unless a score is NaN (max_f32 skips NaN)
                 l[r] = np.float32(np.nan)
+            pb[r, j] = 0                               # (pb may be sc itself: _prob_scratch)
         return
     alpha = fexp(mo - mx)
     sx = scale if fold else np.float32(1.0)
@@ -313,11 +328,12 @@ def _softmax_tile(sc, pb, o, m, l, b, n0, RB, i0, nq, QB, k0, c0, c1, nk, pre, n
     """_softmax_row over the rows of one key tile (computed columns [c0, c1) of the tile at key k0): rows
     r = g * QB + ii < RB are head n0 + g at position i0 + ii (ii < nq); the others (padding) get zero
     probabilities. One call per tile: a call per row spent ~140 cycles passing its arguments."""
+    pw = _prob_scratch(sc, pb)
     for r in range(sc.shape[0]):
         g, ii = divmod(r, QB)
         if r >= RB or ii >= nq:
             for j in range(c0, c1):
-                pb[r, j] = 0
+                pw[r, j] = 0
             continue
         i = i0 + ii
         jlo = min(max(c0, i - pre - k0), c1)
@@ -328,7 +344,7 @@ def _softmax_tile(sc, pb, o, m, l, b, n0, RB, i0, nq, QB, k0, c0, c1, nk, pre, n
         ubase = -1
         if us[2] != 0:
             ubase = us[0] * i + us[1] * (k0 + jlo)
-        _softmax_row(sc, pb, o, m, l, r, jlo, jhi, c0, c1, sf, mask, mbase, mf16, ub, ubase, us, Dv, rnd)
+        _softmax_row(sc, pw, o, m, l, r, jlo, jhi, c0, c1, sf, mask, mbase, mf16, ub, ubase, us, Dv, rnd)
 
 
 @njit(nogil=True, cache=True)
@@ -348,9 +364,10 @@ def flash_items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pr
     H, KT = kp.shape[1], kp.shape[4]
     N, D = q16.shape[1], q16.shape[3]
     RP = ((N // H) * QB + ROWS - 1) // ROWS * ROWS
-    if wide:    # float32 query rows and probabilities (the GEMMs widen float16 / bf16 K / V)
+    if wide:    # float32 query rows and probabilities (the GEMMs widen float16 / bf16 K / V; the probabilities
+        #         overwrite the scores: _prob_scratch, pb unused)
         _items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pre, nxt, scale, QB,
-               np.zeros((RP, D), np.float32), np.zeros((RP, KT), np.float32), f16, True)
+               np.zeros((RP, D), np.float32), np.zeros((1, 1), np.float32), f16, True)
     else:       # bf16 bits of the query rows and probabilities (vdpbf16ps operands)
         _items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pre, nxt, scale, QB,
                np.zeros((RP, D), np.uint16), np.zeros((RP, KT), np.uint16), False, False)
@@ -359,7 +376,7 @@ def flash_items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pr
 @njit(nogil=True, cache=True)
 def _items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pre, nxt, scale, QB, qs, pb, f16, wide):
     """flash_items' loop with its query-row scratch qs [RP, D] and probability scratch pb [RP, KT] (their
-    dtypes choose the GEMMs: _qk, _pv, _pval)."""
+    dtypes choose the GEMMs: _qk, _pv, _pval; float32 probabilities overwrite the scores: _prob_scratch)."""
     H, KT = kp.shape[1], kp.shape[4]
     Dv = vp.shape[4]
     N, L, D = q16.shape[1], q16.shape[2], q16.shape[3]
@@ -408,7 +425,7 @@ def _items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pre, nx
             _qk(qs, kp[b, h, t], c0, c1, sc, RP, KT, D)
             _softmax_tile(sc, pb, o, m, l, b, h * G, RB, i0, nq, QB, k0, c0, c1, nk, pre, nxt, sf, mask, ms, f16,
                           ub, us, Dv, rnd)
-            _pv(pb, vp[b, h, t], c0, c1, o, RP, KT, Dv)
+            _pv(_prob_scratch(sc, pb), vp[b, h, t], c0, c1, o, RP, KT, Dv)
         for g in range(G):
             n = h * G + g
             for ii in range(nq):
