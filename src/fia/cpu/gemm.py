@@ -24,13 +24,13 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
+from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .fma import F16C, fmadd, widen
-from .simd import (HAS_DP, I32, KIND_FP16, V16F, V16I, ZERO16, c64, dp, gep, load, outlined, ptr, splat, store,
-    var)
+from .simd import (HAS_DP, I32, KIND_FP16, V16F, V16I, c64, dp, gep, load, outlined, ptr, splat, store, var)
 
 NR, NJ = 6, 4                 # rows x 16-column vectors per register block (24 of the 32 zmm registers)
 ROWS = NR                     # R must be a multiple of this
@@ -54,27 +54,37 @@ _F16 = _Op(32, lambda b, p: widen(b, p, KIND_FP16), _fma_madd)
 _F32 = _Op(64, lambda b, p: load(b, p, V16F, 4), _fma_madd)
 
 
-def _block(b, op, a0, a_rs, bp0, b_rs, npair, c0, c_rs, acc_in):
-    """One NR x COLS block: A rows at a0, B columns starting at bp0, C at c0."""
-    crow = [gep(b, ptr(b, c0), b.mul(c_rs, c64(r))) for r in range(NR)]
+def register_block(b, vt, nr, nj, a0, a_rs, bp0, b_rs, nk, c0, c_rs, acc_in, load_b, b_vec, step):
+    """The loops of one nr x nj-vector register block (this module's and gemm_narrow.py's): accumulators of
+    type vt loaded from C (acc_in) or zero; per reduction step p the nj B operands load_b(b, address) at
+    b_vec bytes apart in B's row p, then step(b, p, arow, bv, accs) does the block's multiply-adds (arow: the
+    nr A row pointers); the accumulators stored back to C's rows (c_rs bytes apart from c0)."""
+    vb = 4 * vt.count
+    crow = [gep(b, ptr(b, c0), b.mul(c_rs, c64(r))) for r in range(nr)]
     if acc_in:
-        accs = [[var(b, load(b, gep(b, crow[r], c64(64 * j)), ZERO16.type, 4)) for j in range(NJ)]
-                for r in range(NR)]
+        accs = [[var(b, load(b, gep(b, crow[r], c64(vb * j)), vt, 4)) for j in range(nj)] for r in range(nr)]
     else:
-        accs = [[var(b, ZERO16) for _ in range(NJ)] for _ in range(NR)]
-    arow = [ptr(b, b.add(a0, b.mul(a_rs, c64(r)))) for r in range(NR)]
-    with cgutils.for_range(b, npair) as lp:
+        zero = ir.Constant(vt, [0.0] * vt.count)
+        accs = [[var(b, zero) for _ in range(nj)] for _ in range(nr)]
+    arow = [ptr(b, b.add(a0, b.mul(a_rs, c64(r)))) for r in range(nr)]
+    with cgutils.for_range(b, nk) as lp:
         p = lp.index
         brow = gep(b, ptr(b, bp0), b.mul(p, b_rs))
-        bv = [op.load_b(b, gep(b, brow, c64(op.b_vec * j))) for j in range(NJ)]
+        step(b, p, arow, [load_b(b, gep(b, brow, c64(b_vec * j))) for j in range(nj)], accs)
+    for r in range(nr):
+        for j in range(nj):
+            store(b, b.load(accs[r][j]), gep(b, crow[r], c64(vb * j)), 4)
+
+
+def _block(b, op, a0, a_rs, bp0, b_rs, npair, c0, c_rs, acc_in):
+    """One NR x COLS block: A rows at a0, B columns starting at bp0, C at c0."""
+    def step(b, p, arow, bv, accs):
         for r in range(NR):
             w = b.load(b.bitcast(gep(b, arow[r], b.mul(p, c64(4))), I32.as_pointer()), align=2)
             wv = splat(b, w, 16)
             for j in range(NJ):
                 b.store(op.madd(b, b.load(accs[r][j]), wv, bv[j]), accs[r][j])
-    for r in range(NR):
-        for j in range(NJ):
-            store(b, b.load(accs[r][j]), gep(b, crow[r], c64(64 * j)), 4)
+    register_block(b, V16F, NR, NJ, a0, a_rs, bp0, b_rs, npair, c0, c_rs, acc_in, op.load_b, op.b_vec, step)
 
 
 def gemm_body(block: Callable, nr: int, cols: int, col_bytes: int) -> Callable:

@@ -22,17 +22,15 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 from llvmlite import ir
-from numba.core import cgutils
 
 from .fma import F16C, widen_eo, fmadd, widen
-from .gemm import gemm_body, gemm_intrinsic
-from .simd import F32, KIND_FP16, c64, gep, load, ptr, splat, store, var
+from .gemm import gemm_body, gemm_intrinsic, register_block
+from .simd import F32, KIND_FP16, c64, gep, load, splat
 
 NR, NJ = 6, 2                 # rows x 8-column vectors per register block (12 of the 16 ymm registers)
 ROWS = NR                     # R must be a multiple of this
 COLS = 8 * NJ                 # NCOL must be a multiple of this
 V8F = ir.VectorType(F32, 8)
-ZERO8 = ir.Constant(V8F, [0.0] * 8)
 __all__ = ["F16C", "ROWS", "COLS", "gemm_f32n", "gemm_f16n", "gemm_bf16n"]
 
 
@@ -50,25 +48,14 @@ _BF16 = _Op(32, 2, widen_eo)
 
 def _block(b, op, a0, a_rs, bp0, b_rs, nk, c0, c_rs, acc_in, nr, nj):
     """One nr x 8 nj block: A rows at a0, B columns starting at bp0, C at c0."""
-    crow = [gep(b, ptr(b, c0), b.mul(c_rs, c64(r))) for r in range(nr)]
-    if acc_in:
-        accs = [[var(b, load(b, gep(b, crow[r], c64(32 * j)), V8F, 4)) for j in range(nj)] for r in range(nr)]
-    else:
-        accs = [[var(b, ZERO8) for _ in range(nj)] for _ in range(nr)]
-    arow = [ptr(b, b.add(a0, b.mul(a_rs, c64(r)))) for r in range(nr)]
-    with cgutils.for_range(b, nk) as lp:
-        p = lp.index
-        brow = gep(b, ptr(b, bp0), b.mul(p, b_rs))
-        bv = [op.load_b(b, gep(b, brow, c64(op.b_vec * j))) for j in range(nj)]
+    def step(b, p, arow, bv, accs):
         for h in range(op.halves):
             for r in range(nr):
                 ap = gep(b, arow[r], b.add(b.mul(p, c64(4 * op.halves)), c64(4 * h)))
                 av = splat(b, b.load(b.bitcast(ap, F32.as_pointer()), align=4), 8)
                 for j in range(nj):
                     b.store(fmadd(b, av, bv[j][h], b.load(accs[r][j])), accs[r][j])
-    for r in range(nr):
-        for j in range(nj):
-            store(b, b.load(accs[r][j]), gep(b, crow[r], c64(32 * j)), 4)
+    register_block(b, V8F, nr, nj, a0, a_rs, bp0, b_rs, nk, c0, c_rs, acc_in, op.load_b, op.b_vec, step)
 
 
 def _intrinsic(op: _Op, name: str, doc: str, nr: int = NR, nj: int = NJ):
