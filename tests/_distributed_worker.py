@@ -201,36 +201,29 @@ def ring_case(rank, world, *, seed, layout="BSH", dtype=torch.bfloat16, b=2, n=4
 
 
 # ---------------------------------------------------------------------------- error cases
-def mismatch_case(rank, world):
-    """Rank 1 passes a query with another batch size: every rank must raise."""
-    g = torch.Generator().manual_seed(5)
-    b = 3 if rank == 1 else 2
+def _small_decode(seed, b=2, **kw):
+    """decode_attention on the torch backend: B b, 8 / 2 heads, 16 local keys, D 64 (kw override)."""
+    g = torch.Generator().manual_seed(seed)
     q = rnd(g, b, 8, 1, 64)
     k, v = rnd(g, b, 2, 16, 64), rnd(g, b, 2, 16, 64)
+    args = dict(num_heads=8, num_key_value_heads=2, input_layout="BNSD", scale=0.1)
     with fia.use_backend("torch"):
-        fd.decode_attention(q, k, v, num_heads=8, num_key_value_heads=2, input_layout="BNSD", scale=0.1)
+        fd.decode_attention(q, k, v, **{**args, **kw})
     return {}
+
+
+def mismatch_case(rank, world):
+    """Rank 1 passes a query with another batch size: every rank must raise."""
+    return _small_decode(5, b=3 if rank == 1 else 2)
 
 
 def local_error_case(rank, world):
     """Rank 1 passes an invalid num_heads: it raises FIA's own error, the others a FiaRuntimeError naming it."""
-    g = torch.Generator().manual_seed(6)
-    q = rnd(g, 2, 8, 1, 64)
-    k, v = rnd(g, 2, 2, 16, 64), rnd(g, 2, 2, 16, 64)
-    with fia.use_backend("torch"):
-        fd.decode_attention(q, k, v, num_heads=8 if rank != 1 else 7, num_key_value_heads=2, input_layout="BNSD",
-                            scale=0.1)
-    return {}
+    return _small_decode(6, num_heads=8 if rank != 1 else 7)
 
 
 def mask_without_offset_case(rank, world):
-    g = torch.Generator().manual_seed(7)
-    q = rnd(g, 2, 8, 1, 64)
-    k, v = rnd(g, 2, 2, 16, 64), rnd(g, 2, 2, 16, 64)
-    with fia.use_backend("torch"):
-        fd.decode_attention(q, k, v, num_heads=8, num_key_value_heads=2, input_layout="BNSD", scale=0.1,
-                            atten_mask=torch.zeros(2, 16, dtype=torch.bool))
-    return {}
+    return _small_decode(7, atten_mask=torch.zeros(2, 16, dtype=torch.bool))
 
 
 def ring_mask_case(rank, world):
