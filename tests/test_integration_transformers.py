@@ -159,22 +159,22 @@ def test_general_mask_fallback_matches_sdpa(calls):
 
 
 def test_mask_plans():
-    plan = FT._mask_plan(None, 8, 8, True, None)
+    plan = FT.masks.mask_plan(None, 8, 8, True, None)
     assert plan == {"sparse_mode": 3}
-    plan = FT._mask_plan(None, 8, 20, True, None)          # empty static cache: upper-left causal
+    plan = FT.masks.mask_plan(None, 8, 20, True, None)          # empty static cache: upper-left causal
     assert plan == {"sparse_mode": 3, "actual_seq_lengths_kv": [8]}
-    assert FT._mask_plan(None, 1, 20, True, None) == {}
+    assert FT.masks.mask_plan(None, 1, 20, True, None) == {}
     # a static cache's unused tail (right) -> lengths only
     j = torch.arange(20)
     i = torch.arange(8).view(-1, 1)
     m = ((j <= i + 4) & (j < 12)).view(1, 1, 8, 20).expand(2, 1, 8, 20).clone()
-    plan = FT._mask_plan(m, 8, 20, True, None)
+    plan = FT.masks.mask_plan(m, 8, 20, True, None)
     assert plan == {"actual_seq_lengths_kv": [12, 12], "sparse_mode": 3}
     # a float (eager-style) mask, left padding in batch 1
     f = torch.zeros(2, 1, 8, 20)
     f[~m] = torch.finfo(torch.float32).min
     f[1, ..., :2] = torch.finfo(torch.float32).min
-    plan = FT._mask_plan(f, 8, 20, True, None)
+    plan = FT.masks.mask_plan(f, 8, 20, True, None)
     assert plan["actual_seq_lengths_kv"] == [12, 10] and plan["kv_padding_size"].tolist() == [8, 8]
 
 

@@ -1,0 +1,46 @@
+"""The attention function registered as "fia": transformers' call (as sdpa_attention_forward) -> one FIA call."""
+from __future__ import annotations
+
+import torch
+
+from . import batching
+from .common import call_fia, template, unsupported
+from .masks import mask_plan
+
+
+def fia_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
+                          sliding_window=None, softcap=None, **kwargs):
+    """transformers' attention-function signature (as sdpa_attention_forward): returns ([B, S, N, Dv], None)."""
+    if softcap is not None:
+        unsupported(f"attention logit soft-capping (softcap={softcap})", "FIA has no logit soft-capping")
+    if dropout and dropout > 0:
+        unsupported(f"attention dropout (dropout={dropout})", "FIA is an inference operator; call model.eval()")
+    if kwargs.get("output_attentions"):
+        unsupported("output_attentions=True", "FIA never materializes attention probabilities")
+    if kwargs.get("position_bias") is not None:
+        unsupported("position_bias", "pass it as an explicit pse_shift through FIA's API instead")
+    if kwargs.get("s_aux") is not None:
+        unsupported("attention sinks (s_aux)", "not mapped by this integration")
+    if key.dim() != 4 or query.dim() != 4:
+        unsupported("non 4-D query/key/value", "expected [B, N, S, D]")
+    if kwargs.get("block_table") is not None and kwargs.get("k_cache") is not None:
+        return batching.paged_decode_forward(module, query, key, value, scaling, kwargs)
+    if kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None and query.shape[0] == 1:
+        return batching.packed_forward(module, query, key, value, scaling, is_causal, sliding_window, kwargs)
+    b, n, q_len, d = query.shape
+    kv_n, kv_len = key.shape[1], key.shape[2]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    scale = float(scaling) if scaling is not None else d ** -0.5
+    plan = mask_plan(attention_mask, q_len, kv_len, bool(causal), sliding_window)
+    kw = dict(plan)
+    if kw.get("sparse_mode") in (3, 4):
+        kw["atten_mask"] = template(query.device)
+    layout = "BNSD_BSND" if q_len > 1 else "BNSD"
+    out, _ = call_fia(query, key, value, num_heads=n, num_key_value_heads=kv_n, input_layout=layout, scale=scale,
+                      **kw)
+    if q_len == 1:
+        out = out.transpose(1, 2)                                  # [B, N, 1, D] -> [B, 1, N, D] (no copy)
+    return out, None
+
+

@@ -1,0 +1,38 @@
+"""What the integration's modules share: its error, the template mask of sparse modes 2-4, and the one FIA call."""
+from __future__ import annotations
+
+import torch
+
+import fia
+
+NAME = "fia"
+# the attention functions registered by register() (name -> function): transformers' patched checks ask it
+REGISTERED: dict = {}
+_templates: dict = {}                 # device -> the 2048x2048 triu template mask of sparse modes 2-4 (SPEC 5)
+
+
+class FiaTransformersUnsupported(NotImplementedError):
+    """transformers asked for an attention option that FIA cannot express."""
+
+
+def unsupported(option: str, why: str):
+    raise FiaTransformersUnsupported(f"attn_implementation='fia' does not support {option}: {why}. "
+                                     "Use attn_implementation='eager' for this model / setting.")
+
+
+def template(device) -> torch.Tensor:
+    t = _templates.get(device)
+    if t is None:
+        t = _templates[device] = torch.triu(torch.ones(2048, 2048, dtype=torch.bool, device=device), diagonal=1)
+    return t
+
+
+def call_fia(query, key, value, **kw):
+    """fia.npu_fused_infer_attention_score (looked up at call time) -> (out, lse). float32 is not an NPU dtype
+    (SPEC 1.4): float32 calls run under the portable validation mode; float16 / bfloat16 calls in the caller's
+    mode (strict by default: what runs here also passes the NPU's checks)."""
+    attn = fia.npu_fused_infer_attention_score
+    if query.dtype == torch.float32:
+        with fia.validation_mode("portable"):
+            return attn(query, key, value, **kw)
+    return attn(query, key, value, **kw)
