@@ -144,7 +144,7 @@ def test_key_separates_what_the_full_path_separates():
     assert replay.key_of("f", q, k, k, dict(base, antiquant_scale=sc.t().contiguous().t())) != kq
     assert replay.key_of("f", q, k, k, dict(base, key_antiquant_scale=sc)) != kq
     kl = replay.key_of(FUSED, q, k, k, dict(base, antiquant_scale=sc, actual_seq_lengths_kv=[16]))
-    assert kl is not None and kl[-2:] == (("antiquant_scale",), "actual_seq_lengths_kv")
+    assert kl is not None and kl[-3:] == (("antiquant_scale",), "actual_seq_lengths_kv", None)
     kw9 = dict(base, antiquant_scale=torch.rand(2, 128), actual_seq_lengths_kv=[9])
     assert replay.key_of(FUSED, q, k, k, kw9) == kl
     assert replay.key_of(FUSED, q, k, k, dict(base, antiquant_scale=sc.half(), actual_seq_lengths_kv=[16])) != kl
@@ -630,3 +630,79 @@ def test_random_decode_loops_equal_the_full_path():
     finally:
         torch.set_num_threads(threads)
     assert calls >= 60 and replay.stats["refused"] == 0 and replay.stats["replayed"] >= calls // 2, replay.stats
+
+
+def test_growing_cache_replays_equal_the_full_path():
+    """A cache that grows a token a step (a new contiguous K / V every call, as transformers' DynamicCache): keyed
+    without KV_S, every call -- replayed or not -- equals the full path bit for bit, in each layout, entry point,
+    with and without a lengths list, across a split-KV length (two threads where there are two), or raises the
+    same error."""
+    import random
+    rnd = random.Random(31)
+    calls = 0
+    for case in range(8):
+        B, KV_N, G = rnd.choice([1, 2, 3]), rnd.choice([1, 2]), rnd.choice([1, 4])
+        N, D = KV_N * G, rnd.choice([32, 64])
+        dt = rnd.choice([torch.bfloat16, torch.float16])
+        layout, lse, with_lens = rnd.choice(["BSH", "BSND", "BNSD"]), rnd.random() < 0.5, case % 2 == 1
+        entry = rnd.choice(["fused", "incre"])
+        g = gen(1700 + case)
+        S0 = rnd.choice([30, 1990])
+        replay.clear()
+        replay.stats.update(admitted=0, refused=0, replayed=0)
+        for step in range(10):
+            S = S0 + step * rnd.choice([1, 1, 7])
+            q = to_layout(randn((B, N, 1, D), g, dt), layout)
+            k, v = (to_layout(randn((B, KV_N, S, D), g, dt), layout) for _ in range(2))
+            kw = dict(num_heads=N, num_key_value_heads=KV_N, input_layout=layout)
+            lens = [rnd.randint(0, S) for _ in range(B)] if step != 6 else [S + 1] * B    # step 6: parse's error
+            if entry == "fused":
+                fn = fia.npu_fused_infer_attention_score
+                kw.update(scale=D ** -0.5, softmax_lse_flag=lse)
+                if with_lens:
+                    kw["actual_seq_lengths_kv"] = lens
+            else:
+                fn = fia.npu_incre_flash_attention
+                kw["scale_value"] = D ** -0.5
+                if with_lens:
+                    kw["actual_seq_lengths"] = lens
+            try:
+                got = fn(q, k, v, **kw)
+            except fia.FiaInputError as e:
+                with pytest.raises(fia.FiaInputError) as w:
+                    full_path(fn, q, k, v, **kw)
+                assert str(w.value) == str(e) and with_lens and step == 6, (case, step)
+                continue
+            want = full_path(fn, q, k, v, **kw)
+            got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+            assert all(bits_equal(a, b) for a, b in zip(got, want)), (case, step)
+            calls += 1
+        assert replay.stats["admitted"] == 1 and replay.stats["refused"] == 0, (case, replay.stats)
+        assert replay.stats["replayed"] >= 6, (case, replay.stats)
+    assert calls >= 75
+
+
+def test_growing_key():
+    """The growing key leaves out KV_S alone: other K / V dims, dtypes, a non-contiguous cache, a paged call,
+    a mask or dequantization tensors key as before (or not at all)."""
+    kw = dict(num_heads=4, num_key_value_heads=2, input_layout="BNSD", scale=0.5)
+    q = torch.randn(2, 4, 1, 32).to(torch.float16)
+
+    def cache(S, D=32, dt=torch.float16):
+        return torch.randn(2, 2, S, D).to(dt)
+    k10, k11 = cache(10), cache(11)
+    a, b = replay.key_of(FUSED, q, k10, k10, kw), replay.key_of(FUSED, q, k11, k11, kw)
+    assert a is not None and a == b and a[-1] == 2
+    assert replay.key_of(FUSED, q, k10, cache(10, 16), kw) != a
+    assert replay.key_of(FUSED, q, k10, cache(10, dt=torch.bfloat16), kw) != a
+    nc = torch.randn(2, 2, 12, 32).to(torch.float16)[:, :, :10]                 # strides of 12 positions
+    assert replay.key_of(FUSED, q, nc, nc, kw)[-1] is None
+    bsh = dict(kw, input_layout="BSH")
+    qb = q.transpose(1, 2).reshape(2, 1, 128)
+    kb = torch.randn(2, 10, 64).to(torch.float16)
+    assert replay.key_of(FUSED, qb, kb, kb, bsh)[-1] == 1
+    assert replay.key_of(FUSED, q, k10, k10, dict(kw, input_layout="TND")) is None or \
+        replay.key_of(FUSED, q, k10, k10, dict(kw, input_layout="TND"))[-1] is None
+    sc = torch.rand(2, 64)
+    assert replay.key_of(FUSED, q, k10.to(torch.int8), k10.to(torch.int8), dict(kw, antiquant_scale=sc))[-1] is None
+    assert replay.key_of(FUSED, q, k10, k10, dict(kw, atten_mask=torch.zeros(2, 1, 10, dtype=torch.bool))) is None

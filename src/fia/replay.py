@@ -23,6 +23,13 @@ time its key is seen; tests/test_replay.py compares every call of random length 
 A paged call's block table (a plain CPU tensor) is keyed by its metadata: its block ids are data, range-checked
 on every call as parse checks them (an id out of range: the full path, which raises the error).
 
+A cache that grows by one token a step (transformers' DynamicCache: a new contiguous K / V every step) changes
+the keys' sequence extent KV_S, and with it their strides: a dense, contiguous key and value of a BSH / BSND /
+BNSD call are keyed without their KV_S (`_kv_axis`; the key's last item names the axis), and the replay takes
+each call's KV_S with its lengths (all KV_S where the call passes none) -- a *growing replay*, admitted and
+checked like a lengths replay. Nothing else of such a call may depend on KV_S (no mask, pse, dequantization
+tensors or padding: the backend declines those).
+
 Why replaying skips validation safely: parse reads nothing of such a call but that metadata (the parse memo,
 parse/memo.py, relies on the same fact), so a call equal in all of it to one that passed validation passes
 again. Only successful calls are admitted, and only the second time their parse is memoized (the problem has
@@ -53,6 +60,10 @@ _KV_LENGTHS = {"npu_fused_infer_attention_score": "actual_seq_lengths_kv",
                "npu_prompt_flash_attention": "actual_seq_lengths_kv",
                "npu_incre_flash_attention": "actual_seq_lengths"}
 _SEQS = (list, tuple)
+# the sequence axis of a dense key / value per input layout (the part of input_layout before "_")
+_S_AXIS = {"BSH": 1, "BSND": 1, "BNSD": 2}
+_DEFAULT_LAYOUT = "BSH"         # every entry point's input_layout default
+_TENS, _LENS, _AXIS = -3, -2, -1    # positions of the key's last items (see key_of)
 _PADDING = ("query_padding_size", "kv_padding_size")
 # tensor arguments a replay takes from each call (keyed by their metadata; the backend decides whether it serves
 # the call: decode, int8 dequantization factors -- per tensor / channel / head / token -- that are views of them)
@@ -72,6 +83,20 @@ class _Last(threading.local):
 
 _last = _Last()
 stats = {"admitted": 0, "refused": 0, "replayed": 0}
+
+
+def _kv_axis(name: str, k, v, kw: dict) -> Optional[int]:
+    """The sequence axis of a growing cache's key / value (see the module docstring), or None: the call is keyed
+    with its K / V shapes as they are."""
+    if name not in _KV_LENGTHS or kw.get("block_table") is not None:
+        return None
+    lay = kw.get("input_layout", _DEFAULT_LAYOUT)
+    ax = _S_AXIS.get(lay.split("_", 1)[0]) if type(lay) is str else None
+    if ax is None or k.dim() != v.dim() or k.dim() != (3 if lay.startswith("BSH") else 4):
+        return None
+    if not (k.is_contiguous() and v.is_contiguous()) or k.shape[ax] == 0:
+        return None
+    return ax
 
 
 def key_of(name: str, q, k, v, kw: dict) -> Optional[tuple]:
@@ -116,10 +141,14 @@ def key_of(name: str, q, k, v, kw: dict) -> Optional[tuple]:
         vals = tuple(keyed)
         tens = tuple(tens) or None
     signs = tuple(map(math.copysign, _ONES, compress(vals, map(is_, types, _FLOATS))))     # -0.0 vs 0.0
+    ax = _kv_axis(name, k, v, kw) if tens is None else None
     try:
-        return (name, q.dtype, q.shape, q.stride(), k.dtype, k.shape, k.stride(), v.dtype, v.shape, v.stride(),
-                tuple(kw), vals, types, signs, get_validation_mode(), get_backend(), torch.get_num_threads(), tens,
-                lens)
+        if ax is None:
+            kmeta = (k.shape, k.stride(), v.shape, v.stride())
+        else:                                          # a growing cache: KV_S (and the strides it makes) per call
+            kmeta = (k.shape[:ax] + k.shape[ax + 1:], v.shape[:ax] + v.shape[ax + 1:])
+        return (name, q.dtype, q.shape, q.stride(), k.dtype, v.dtype, kmeta, tuple(kw), vals, types, signs,
+                get_validation_mode(), get_backend(), torch.get_num_threads(), tens, lens, ax)
     except RuntimeError:                               # a layout without strides
         return None
 
@@ -138,9 +167,15 @@ def run(key: tuple, q, k, v, kw: dict):
 
 
 def _replayed(r, key: tuple, q, k, v, kw: dict):
-    """Replay r on a call: a lengths replay (key's last item: the lengths argument's name) also takes the
-    call's lengths and block table; the call's _TENSOR_ARGS tensors go with it (key[-2] names them)."""
-    lens = key[-1]
+    """Replay r on a call: a lengths replay (key[_LENS]: the lengths argument's name) also takes the call's
+    lengths and block table, a growing replay (key[_AXIS]: the sequence axis) the call's KV_S; the call's
+    _TENSOR_ARGS tensors go with it (key[_TENS] names them)."""
+    lens, ax = key[_LENS], key[_AXIS]
+    if ax is not None:
+        kv_s = k.shape[ax]
+        if v.shape[ax] != kv_s:                    # (parse's error)
+            return None
+        return r(q, k, v, None if lens is None else kw[lens], None, (), kv_s)
     if lens is None:
         return r(q, k, v, extras=_extras(key, kw))
     return r(q, k, v, kw[lens], kw.get("block_table"), _extras(key, kw))
@@ -148,7 +183,7 @@ def _replayed(r, key: tuple, q, k, v, kw: dict):
 
 def _extras(key: tuple, kw: dict) -> tuple:
     """The call's _TENSOR_ARGS tensors, in the order its key lists them."""
-    return tuple(kw[n] for n in key[-2] or ())
+    return tuple(kw[n] for n in key[_TENS] or ())
 
 
 def capture(fn, *args, **kwargs):
@@ -174,19 +209,20 @@ def admit(key: tuple, ran, q, k, v, results: tuple, kw: dict) -> None:
     if ran is None or key in _TABLE:               # (a lengths replay there: these lengths it did not serve)
         return
     problem, backend = ran
-    lens = key[-1]
-    if lens is not None:
+    lens, ax = key[_LENS], key[_AXIS]
+    if lens is not None or ax is not None:
         if key not in _SEEN:                       # a one-off call: no trial (it would run the kernels twice)
             _SEEN.put(key)
             return
-        if not any(kw[lens]):                      # no key at all: nothing to plan a launch on -- a later call
+        if lens is not None and not any(kw[lens]):     # no key at all: nothing to plan a launch on -- a later call
             return
     elif problem.memo_key is None:                 # not yet memoized: maybe the next time
         return
     make: Optional[Callable] = getattr(backend, "replay", None)
     if make is None:                               # (not marked: a tier's stand-in may have run it, fia.cpu.jit)
         return
-    r = make(problem, q, k, v, lengths=lens is not None, extras=_extras(key, kw))
+    r = make(problem, q, k, v, lengths=lens is not None or ax is not None, extras=_extras(key, kw),
+             kv_axis=ax)
     got = None if r is None else _replayed(r, key, q, k, v, kw)
     ok = got is not None and _same(got[:len(results)], results)
     _TABLE.put(key, r if ok else _NEVER)

@@ -144,9 +144,9 @@ class DecodeBackend(Backend):
         return self.launch(p, None)
 
     def replay(self, p: AttentionProblem, query, key, value, lengths: bool = False,
-               extras: tuple = ()) -> Optional[Replay]:
+               extras: tuple = (), kv_axis: Optional[int] = None) -> Optional[Replay]:
         """fia.replay's prepared launch of p's call: p's plan kept and re-launched per call (replay.prepare)."""
-        return prepare(p, query, key, value, lengths, extras)
+        return prepare(p, query, key, value, lengths, extras, kv_axis)
 
 
 def _kernel_names(K, launch: Launch) -> str:

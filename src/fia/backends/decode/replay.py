@@ -25,14 +25,18 @@ from .inputs import Inputs, factor_meta, factor_specs, fill_factors, no_factors,
 from .plan import PLANS, Plan, plan_key, plan_of, relength, tuning
 
 
-def prepare(p: AttentionProblem, query, key, value, lengths: bool = False, extras: tuple = ()) -> Optional["Replay"]:
+def prepare(p: AttentionProblem, query, key, value, lengths: bool = False, extras: tuple = (),
+            kv_axis: Optional[int] = None) -> Optional["Replay"]:
     """fia.replay's prepared launch of p's call (query, key, value as passed), or None where the call
     reads more than those three tensors' data (or writes through the shared epilogue's Python).
     lengths: the call's KV lengths list varies between the calls it will serve (right padding: every
     batch's keys from position 0); the launch is then re-planned per lengths (relength). extras: the
     call's dequantization tensors (fia.replay._TENSOR_ARGS): int8 K / V whose factors (per tensor, channel,
     head or token) are views of them are served -- per-token ones read in place at each call's addresses,
-    the others re-derived from each call's."""
+    the others re-derived from each call's. kv_axis: the sequence axis of a growing cache's key and value
+    (fia.replay), whose KV_S each call brings: only a dense source without dequantization tensors."""
+    if kv_axis is not None and (p.kv.kind != "dense" or p.antiquant is not None or p.kv.key_rope is not None):
+        return None
     if lengths and (p.mask.kind == "band" or any(g.kv_lo != 0 or g.prefix != 0 for g in p.geometry)):
         return None
     aq = p.antiquant
@@ -59,7 +63,7 @@ def prepare(p: AttentionProblem, query, key, value, lengths: bool = False, extra
     plan = plan_of(p, x, K)
     if plan.prefix is not None or len(plan.own) != 1 or plan.own[0] is None:
         return None
-    return Replay(p, x, plan, K, (query, key, value), lengths, views)
+    return Replay(p, x, plan, K, (query, key, value), lengths, views, kv_axis)
 
 
 class Replay:
@@ -76,8 +80,18 @@ class Replay:
     _MAX_LENGTHS = 8                # plans kept per lengths replay (cleared when full)
 
     def __init__(self, p: AttentionProblem, x: Inputs, plan: Plan, K, tensors: tuple, lengths: bool = False,
-                 aq_views: Optional[tuple] = None):
+                 aq_views: Optional[tuple] = None, kv_axis: Optional[int] = None):
         src = x.sources[0]
+        # a growing cache (kv_axis): the K / V strides that scale with KV_S (the batch's; the head's when the
+        # sequence axis lies inside it), as multiples of the admitting call's KV_S (contiguous K and V)
+        self.growing = None
+        if kv_axis is not None:
+            s0 = p.KV_S
+            ipk = plan.own[0].ip
+            self.growing = (s0, tuple((i, int(ipk[i])) for i in (
+                (K.IP_K_BLK, K.IP_V_BLK) + ((K.IP_K_H, K.IP_V_H) if kv_axis == 2 else ()))))
+            if s0 <= 0 or any(st % s0 for _, st in self.growing[1]):
+                raise AssertionError(f"strides {self.growing} of a contiguous cache of KV_S {s0}")
         self.memo_key = p.memo_key
         self.bufs = x.addresses(K)                  # [2, BUF_LEN]: spans fixed by the metadata
         src.addresses(self.bufs, K)
@@ -145,23 +159,38 @@ class Replay:
             return None
         return host.astype(np.int64)
 
-    def _for_lengths(self, lens, K) -> Optional[tuple]:
-        """The prepared plan for a call's KV lengths, or None (invalid lengths, stale tuning, no work)."""
-        if type(lens) not in (list, tuple) or tuning(K) != self.tuning:
+    def _for_lengths(self, lens, K, kv_s: Optional[int] = None) -> Optional[tuple]:
+        """The prepared plan for a call's KV lengths (a growing replay: and its KV_S; lens None: all KV_S), or
+        None (invalid lengths, stale tuning, no work)."""
+        if tuning(K) != self.tuning:
             return None
-        lens, S = broadcast(lens, self.p.B), self.p.KV_S
-        if lens is None:
+        S = self.p.KV_S if kv_s is None else kv_s
+        if lens is None and kv_s is not None:
+            lens = (S,) * self.p.B
+        elif type(lens) not in (list, tuple) or (lens := broadcast(lens, self.p.B)) is None:
             return None
         for v in lens:
             if type(v) is not int or v < 0 or v > S:
                 return None
-        got = self.lengths.get(lens)
+        ck = lens if kv_s is None else (lens, kv_s)
+        got = self.lengths.get(ck)
         if got is None:
             plan = relength(self.prepared[0], self.p, np.array(lens, np.int64), K, self.tuning[0])
             if plan is None:
                 return None
-            got = self.lengths.put(lens, self._prepare(plan, lens))
+            if kv_s is not None:
+                plan = self._regrown(plan, kv_s)
+            got = self.lengths.put(ck, self._prepare(plan, lens))
         return got
+
+    def _regrown(self, plan: Plan, kv_s: int) -> Plan:
+        """plan with the K / V strides of a growing cache of kv_s positions (the others do not depend on it)."""
+        s0, scaled = self.growing
+        launch = plan.own[0]
+        ip = launch.ip.copy()
+        for i, st in scaled:
+            ip[i] = st // s0 * kv_s
+        return plan._replace(own=[launch._replace(ip=ip)])
 
     def _factors(self, extras: tuple) -> tuple:
         """(kchan, (sink, vcs, vco)) of a call: the dequant factors from its own tensors (self.aq): the admitting
@@ -175,10 +204,18 @@ class Replay:
         kchan, vcs, vco, exceptional = fill_factors(meta, specs)
         return None if exceptional else (kchan, (self.factors[0], vcs, vco))
 
-    def __call__(self, q, k, v, lens=None, table=None, extras=()):
+    def __call__(self, q, k, v, lens=None, table=None, extras=(), kv_s=None):
         K = loader.K
         tbl = self.tbls[0]
-        if self.lengths is not None:
+        bufs = self.bufs.copy()
+        if self.growing is not None:
+            if kv_s is None:
+                return None
+            prepared = self._for_lengths(lens, K, kv_s)
+            if prepared is None:
+                return None
+            bufs[1, K.BUF_K], bufs[1, K.BUF_V] = k.nbytes, v.nbytes      # (contiguous: their whole spans)
+        elif self.lengths is not None:
             prepared = self._for_lengths(lens, K)
             if prepared is None:
                 return None
@@ -195,7 +232,6 @@ class Replay:
         if got is None:                             # exceptional factors: the full path (decode backend: the reference)
             return None
         kchan, factors = got
-        bufs = self.bufs.copy()
         s, d = self.slots, self.deltas
         bufs[0, s[0]], bufs[0, s[1]], bufs[0, s[2]] = q.data_ptr() + d[0], k.data_ptr() + d[1], v.data_ptr() + d[2]
         kt_tbl, vt_tbl = self.tbls[1], self.tbls[2]
