@@ -74,9 +74,10 @@ _V_SAFE = 2.0 ** 100     # |V| below this: the kernels' sums of weights x values
 def _tame(v: torch.Tensor):
     """The fused kernels sum unnormalized weights x values, which overflow for V near float32's maximum (the
     reference normalizes first): such a V is scaled by a power of two (exact) -> (v, exponent to restore)."""
-    if v.dtype == torch.float64 or v.numel() == 0:
+    if v.dtype in (torch.float64, torch.float16) or v.numel() == 0:      # (float16's largest value: 65504)
         return v, 0
-    vmax = float(v.abs().amax())
+    lo, hi = torch.aminmax(v)                      # one pass, no |v| copy
+    vmax = max(-float(lo), float(hi))              # (NaN in v: NaN in both, no scaling)
     if not vmax > _V_SAFE or math.isinf(vmax):
         return v, 0
     e = math.frexp(vmax)[1]
