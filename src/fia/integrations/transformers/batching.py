@@ -54,25 +54,50 @@ def paged_decode_forward(module, query, key, value, scaling, kwargs):
     k_cache, v_cache, table = kwargs["k_cache"], kwargs["v_cache"], kwargs["block_table"]
     n, b, d = query.shape[1], query.shape[2], query.shape[3]
     kv_n, page = key.shape[1], k_cache.shape[1]
-    cu_k = _cu_lengths(kwargs["cu_seq_lens_k"], module, "cu_seq_lens_k")
-    lengths = [hi - lo for lo, hi in zip([0] + cu_k[:-1], cu_k)]
-    if len(lengths) != b:
-        unsupported("a block-table batch with several query tokens per request", f"{b} tokens, {len(lengths)} requests")
-    pos = torch.tensor([max(x - 1, 0) for x in lengths], dtype=torch.long, device=query.device)
-    rows = torch.arange(b, device=query.device)
-    slots = table[rows, pos // page].long()
-    live = torch.tensor([x > 0 for x in lengths], device=query.device)
-    slots, offs = slots[live], (pos % page)[live]
-    k_cache[slots, offs] = key[0].transpose(0, 1)[live].to(k_cache.dtype)       # [B, KV_N, D] into the page slots
-    v_cache[slots, offs] = value[0].transpose(0, 1)[live].to(v_cache.dtype)
+    lengths, slots, offs, table32, live = _decode_step(module, kwargs["cu_seq_lens_k"], table, b, page)
+    new_k, new_v = key[0].transpose(0, 1), value[0].transpose(0, 1)              # [B, KV_N, D]
+    if live is not None:
+        new_k, new_v = new_k[live], new_v[live]
+    k_cache[slots, offs] = new_k.to(k_cache.dtype)                               # into the page slots
+    v_cache[slots, offs] = new_v.to(v_cache.dtype)
     q = query[0].transpose(0, 1).reshape(b, 1, n * d)                              # BSH [B, 1, N*D]
     kp = k_cache.reshape(k_cache.shape[0], page, -1)                               # [num_pages, page_size, KV_N*D]
     vp = v_cache.reshape(v_cache.shape[0], page, -1)
-    kw = dict(num_heads=n, num_key_value_heads=kv_n, input_layout="BSH", block_table=table.to(torch.int32),
+    kw = dict(num_heads=n, num_key_value_heads=kv_n, input_layout="BSH", block_table=table32,
               block_size=page, actual_seq_lengths_kv=lengths,
               scale=float(scaling) if scaling is not None else d ** -0.5)
     out, _ = call_fia(q, kp, vp, **kw)
     return out.view(1, b, n, -1), None                                             # [1, T = B, N, Dv]
+
+
+_last_step: list = [None]      # [(key, step)]: the layers of one decode step share it (_decode_step)
+
+
+def _decode_step(module, cu, table, b: int, page: int):
+    """What a block-table decode step's layers share: per-request KV lengths, the page slot (page, offset) of each
+    request's new token, the int32 block table and the live requests (None: all). Computed by the first layer and
+    reused while the step's ``cu_seq_lens_k`` and ``block_table`` (held here, so their ids stay theirs) are
+    unchanged (their _version counters: an in-place update makes it anew)."""
+    cu_t = cu.get(getattr(module, "layer_type", None) or "full_attention", None) if isinstance(cu, dict) else cu
+    key = (id(cu_t), cu_t._version, id(table), table._version, b, page) if isinstance(cu_t, torch.Tensor) else None
+    last = _last_step[0]
+    if key is not None and last is not None and last[0] == key:
+        return last[2]
+    cu_k = _cu_lengths(cu, module, "cu_seq_lens_k")
+    lengths = [hi - lo for lo, hi in zip([0] + cu_k[:-1], cu_k)]
+    if len(lengths) != b:
+        unsupported("a block-table batch with several query tokens per request", f"{b} tokens, {len(lengths)} requests")
+    dev = table.device
+    pos = torch.tensor([max(x - 1, 0) for x in lengths], dtype=torch.long, device=dev)
+    slots = table[torch.arange(b, device=dev), pos // page].long()
+    offs = pos % page
+    live = None
+    if not all(lengths):
+        live = torch.tensor([x > 0 for x in lengths], device=dev)
+        slots, offs = slots[live], offs[live]
+    step = (lengths, slots, offs, table.to(torch.int32), live)
+    _last_step[0] = (key, (cu_t, table), step)
+    return step
 
 
 def _enable_decode_fast_path(initialization) -> None:
