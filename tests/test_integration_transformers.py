@@ -278,3 +278,34 @@ def test_generate_batch_paged_identical_to_sdpa(calls):
         assert c["block_size"] == 4 and c["block_table"].dtype == torch.int32 and c["input_layout"] == "BSH"
         assert c["k_shape"][1:] == (4, 2 * 16)                          # [num_pages, page_size, KV_N * D]
     assert sorted(paged[-1]["actual_seq_lengths_kv"]) == [8, 10, 12]    # per request, prompt + 5 tokens
+
+
+def test_decode_mask_plans_reproduce_the_mask():
+    """Decode-step masks (one query row, CPU bool: analysed with NumPy): the plan's key windows -- or its general
+    mask -- allow exactly the keys the mask allows, and a mask of one contiguous window per batch never falls back
+    to the general mask."""
+    import random
+    rnd = random.Random(5)
+    for _ in range(400):
+        B, KV = rnd.randint(1, 4), rnd.randint(1, 24)
+        allowed = torch.zeros(B, 1, 1, KV, dtype=torch.bool)
+        windows = True
+        for b in range(B):
+            if rnd.random() < 0.75:
+                lo = rnd.randint(0, KV)
+                allowed[b, 0, 0, lo:rnd.randint(lo, KV)] = True
+            else:
+                allowed[b, 0, 0] = torch.rand(KV) < 0.5
+                idx = allowed[b, 0, 0].nonzero().flatten().tolist()
+                windows &= idx == list(range(idx[0], idx[-1] + 1)) if idx else True
+        plan = FT.masks.mask_plan(allowed, 1, KV, True, None)
+        if "atten_mask" in plan:
+            assert not windows and set(plan) == {"atten_mask"}
+            got = ~plan["atten_mask"].view(B, 1, 1, KV)
+        else:
+            lens = plan.get("actual_seq_lengths_kv", [KV] * B)
+            got = torch.zeros(B, 1, 1, KV, dtype=torch.bool)
+            for b in range(B):                 # left padding: [KV - pad - len, KV - pad) (SPEC 6), else [0, len)
+                end = KV - int(plan["kv_padding_size"][b]) if "kv_padding_size" in plan else lens[b]
+                got[b, 0, 0, end - lens[b]:end] = True
+        assert torch.equal(got, allowed), (allowed, plan)

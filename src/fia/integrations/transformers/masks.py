@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import weakref
 
+import numpy as np
 import torch
 
 from fia.caches import BoundedCache
@@ -40,6 +41,8 @@ def _plan_from_mask(allowed: torch.Tensor, q_len: int, kv_len: int, causal: bool
         allowed = allowed[:, :1]
     a = allowed[:, 0]                     # batch 1 (broadcast) stays 1: FIA applies one-entry lengths to every batch
     dev = a.device
+    if q_len == 1 and a.device.type == "cpu" and a.dtype == torch.bool:
+        return _decode_plan(a, kv_len)
     cols = a.any(1)                                                # [B, KV]: keys some row attends
     j = torch.arange(kv_len, device=dev)
     lo = torch.where(cols, j, kv_len).amin(-1)
@@ -68,12 +71,33 @@ def _plan_from_mask(allowed: torch.Tensor, q_len: int, kv_len: int, causal: bool
             if torch.equal(exp, a):
                 found = (is_causal, p)
                 break
-    if found is None:                                              # a general mask: FIA's convention, True = masked
-        m = ~a
-        return {"atten_mask": (m.unsqueeze(1) if q_len > 1 else m.view(m.shape[0], 1, 1, -1)).contiguous()}
+    if found is None:
+        return _general(a, q_len)
+    return _window_plan(found, lo.tolist(), hi.tolist(), q_len, kv_len, dev)
+
+
+def _general(a: torch.Tensor, q_len: int) -> dict:
+    """A general mask: FIA's convention, True = masked."""
+    m = ~a
+    return {"atten_mask": (m.unsqueeze(1) if q_len > 1 else m.view(m.shape[0], 1, 1, -1)).contiguous()}
+
+
+def _decode_plan(a: torch.Tensor, kv_len: int) -> dict:
+    """_plan_from_mask of a decode step's CPU bool mask a [B, 1, KV]: one pass of NumPy over its rows (a decode
+    step analyses a new mask each step; torch's small ops cost several times more)."""
+    an = a[:, 0].numpy()                                           # [B, KV] (a view)
+    some = an.any(1)
+    lo = np.where(some, an.argmax(1), kv_len)
+    hi = np.where(some, kv_len - an[:, ::-1].argmax(1), kv_len)
+    if not np.array_equal(an.sum(1), hi - lo):                     # not one contiguous key window per batch
+        return _general(a, 1)
+    return _window_plan((False, None), lo.tolist(), hi.tolist(), 1, kv_len, a.device)
+
+
+def _window_plan(found: tuple, lo_l: list, hi_l: list, q_len: int, kv_len: int, dev) -> dict:
+    """FIA arguments of per-batch key windows [lo, hi) (found: (causal, pre_tokens or None))."""
     is_causal, p = found
     plan = {}
-    lo_l, hi_l = lo.tolist(), hi.tolist()
     if any(lo_l):                                                  # left padding: window [KV - pad - act, KV - pad)
         plan["actual_seq_lengths_kv"] = [h - lo_ for lo_, h in zip(lo_l, hi_l)]
         plan["kv_padding_size"] = torch.tensor([kv_len - h for h in hi_l], dtype=torch.int64, device=dev)
