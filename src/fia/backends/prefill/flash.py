@@ -86,6 +86,16 @@ def _bits(x: torch.Tensor) -> np.ndarray:
     return x.view(torch.int16).numpy().view(np.uint16)
 
 
+def _flat_out(out: torch.Tensor):
+    """(1-D NumPy view (_bits) of the output's elements, int64 [3] element strides of its batch / head / row dims)
+    of out [Bq, N, L, Dv]: contiguous, or the [Bq, L, N, Dv] buffer seen as [Bq, N, L, Dv]."""
+    dense = out if out.is_contiguous() else out.transpose(1, 2)
+    if not dense.is_contiguous():
+        raise ValueError(f"out: expected a contiguous [Bq, N, L, Dv] or [Bq, L, N, Dv] buffer, got strides "
+                         f"{out.stride()}")
+    return _bits(dense.reshape(-1)), np.array(out.stride()[:3], np.int64)
+
+
 def _mask_flat(mask: Optional[torch.Tensor], shape):
     """(1-D NumPy view (_bits) of the elements the mask broadcast to `shape` addresses, int64 [4]: element
     strides of its batch / head / row dims, then 1 when there is a mask, else 0)."""
@@ -146,8 +156,9 @@ def flash(q, k, v, is_causal: bool, mask: Optional[torch.Tensor], scale: float, 
     k16, v16 = _bits(k), _bits(v)
     n_pack = Bq * H * nt
     launch(pack_items, np.arange(n_pack, dtype=np.int64), min(threads, n_pack), (k16, v16, kp, vp, S))
-    if out is None:
-        out = torch.empty((Bq, N, L, Dv), dtype=q.dtype)          # [Bq, N, L, Dv]
+    if out is None:                                              # rows of all heads side by side, as ATen's kernel
+        out = torch.empty((Bq, L, N, Dv), dtype=q.dtype).transpose(1, 2)     # [Bq, N, L, Dv] (BSND outputs: no copy)
+    o_flat, o_str = _flat_out(out)
     if lse is None:
         lse = torch.empty((Bq, N, L), dtype=torch.float32)        # [Bq, N, L]
     mk, ms = _mask_flat(mask, (Bq, N, L, S))
@@ -164,7 +175,7 @@ def flash(q, k, v, is_causal: bool, mask: Optional[torch.Tensor], scale: float, 
     if nxt < big and pre >= big:                              # causal-like: longest (latest query block) first
         items = items.reshape(Bq * H, nqb)[:, ::-1].T.reshape(-1).copy()
     launch(flash_items, items, min(threads, n_items),
-            (_bits(q), kp, vp, _bits(out), lse.numpy(), mk, ms, *_user_flat(user_mask), S, pre, nxt,
+            (_bits(q), kp, vp, o_flat, o_str, lse.numpy(), mk, ms, *_user_flat(user_mask), S, pre, nxt,
              float(scale), QB, f16, wide))
     return out, lse
 

@@ -348,12 +348,12 @@ def _softmax_tile(sc, pb, o, m, l, b, n0, RB, i0, nq, QB, k0, c0, c1, nk, pre, n
 
 
 @njit(nogil=True, cache=True)
-def flash_items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pre, nxt, scale, QB, f16, wide):
+def flash_items(items, counter, q16, kp, vp, out16, ostr, lse, mask, ms, ub, us, S, pre, nxt, scale, QB, f16, wide):
     """Items it = (b * H + h) * nqb + qb (see the module doc), taken through the atomic `counter`.
     q16: [Bq, N, L, D] (any strides): uint16 bits of bf16, of float16 when f16, or float32 (then f16 is set);
     wide: float32 query rows and probabilities (all but bf16 with vdpbf16ps; bf16 on 8-lane CPUs: the query
-    widened, the probabilities rounded to bf16 values); kp / vp: pack_items' tiles; out16: [Bq, N, L, Dv] in
-    q16's element type; lse: [Bq, N, L] float32; mask: an additive mask in q16's element type, element
+    widened, the probabilities rounded to bf16 values); kp / vp: pack_items' tiles; out16: the output's elements (1-D) in
+    q16's element type, element (b, n, i, d) at ostr[0] * b + ostr[1] * n + ostr[2] * i + d; lse: [Bq, N, L] float32; mask: an additive mask in q16's element type, element
     (b, n, i, j) at
     ms[0] * b + ms[1] * n + ms[2] * i + j (strides 0 where it broadcasts), read only when ms[3] != 0;
     row i keeps keys i - pre <= j <= i + nxt (top-left causal: nxt = 0, pre >= L; no band: both >= L + S).
@@ -366,15 +366,16 @@ def flash_items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pr
     RP = ((N // H) * QB + ROWS - 1) // ROWS * ROWS
     if wide:    # float32 query rows and probabilities (the GEMMs widen float16 / bf16 K / V; the probabilities
         #         overwrite the scores: _prob_scratch, pb unused)
-        _items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pre, nxt, scale, QB,
+        _items(items, counter, q16, kp, vp, out16, ostr, lse, mask, ms, ub, us, S, pre, nxt, scale, QB,
                np.zeros((RP, D), np.float32), np.zeros((1, 1), np.float32), f16, True)
     else:       # bf16 bits of the query rows and probabilities (vdpbf16ps operands)
-        _items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pre, nxt, scale, QB,
+        _items(items, counter, q16, kp, vp, out16, ostr, lse, mask, ms, ub, us, S, pre, nxt, scale, QB,
                np.zeros((RP, D), np.uint16), np.zeros((RP, KT), np.uint16), False, False)
 
 
 @njit(nogil=True, cache=True)
-def _items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pre, nxt, scale, QB, qs, pb, f16, wide):
+def _items(items, counter, q16, kp, vp, out16, ostr, lse, mask, ms, ub, us, S, pre, nxt, scale, QB, qs, pb, f16,
+           wide):
     """flash_items' loop with its query-row scratch qs [RP, D] and probability scratch pb [RP, KT] (their
     dtypes choose the GEMMs: _qk, _pv, _pval; float32 probabilities overwrite the scores: _prob_scratch)."""
     H, KT = kp.shape[1], kp.shape[4]
@@ -430,12 +431,13 @@ def _items(items, counter, q16, kp, vp, out16, lse, mask, ms, ub, us, S, pre, nx
             n = h * G + g
             for ii in range(nq):
                 r = g * QB + ii
+                ob = ostr[0] * b + ostr[1] * n + ostr[2] * (i0 + ii)
                 if l[r] == np.float32(0.0):                  # no key: 0 (even where P = 0 met a NaN value)
                     for d in range(Dv):
-                        out16[b, n, i0 + ii, d] = 0
+                        out16[ob + d] = 0
                     lse[b, n, i0 + ii] = np.float32(-np.inf)
                     continue
                 inv = np.float32(1.0) / l[r]                 # l NaN: a NaN row, as the products give
                 for d in range(Dv):
-                    out16[b, n, i0 + ii, d] = _outv(out16, o[r, d] * inv, f16)
+                    out16[ob + d] = _outv(out16, o[r, d] * inv, f16)
                 lse[b, n, i0 + ii] = m[r] + np.log(l[r])
