@@ -60,8 +60,9 @@ except ImportError as e:                                          # pragma: no c
                       f"{SUPPORTED_TRANSFORMERS}: pip install 'fia[transformers]'") from e
 check_version(_transformers.__version__)
 
-from . import attention, batching, masks  # noqa: E402  (after the version check)
+from . import attention, batching, cache, masks  # noqa: E402  (after the version check)
 from .attention import fia_attention_forward  # noqa: E402
+from .cache import FiaCache  # noqa: E402
 from .common import NAME, REGISTERED, FiaTransformersUnsupported  # noqa: E402
 
 
@@ -75,10 +76,11 @@ def register(name: str = NAME) -> str:
     AttentionMaskInterface.register(name, sdpa_mask)
     REGISTERED[name] = fia_attention_forward
     batching.allow_continuous_batching()
+    cache.allow_cache_implementations()
     return name
 
 
 register()
 
-__all__ = ["FiaTransformersUnsupported", "NAME", "SUPPORTED_TRANSFORMERS", "attention", "batching", "check_version",
-           "fia_attention_forward", "masks", "register"]
+__all__ = ["FiaCache", "FiaTransformersUnsupported", "NAME", "SUPPORTED_TRANSFORMERS", "attention", "batching", "cache",
+           "check_version", "fia_attention_forward", "masks", "register"]

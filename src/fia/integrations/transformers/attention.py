@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from . import batching
+from .cache import kv_scales
 from .common import call_fia, template, unsupported
 from .masks import mask_plan
 
@@ -36,6 +37,12 @@ def fia_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
     kw = dict(plan)
     if kw.get("sparse_mode") in (3, 4):
         kw["atten_mask"] = template(query.device)
+    if key.dtype == torch.int8:                                    # an int8 FiaCache's decode step
+        scales = kv_scales(key)
+        if scales is None or q_len != 1:
+            unsupported("int8 key / value states", "only an int8 FiaCache's decode steps pass them (with its scales)")
+        kw.update(key_antiquant_scale=scales[0], value_antiquant_scale=scales[1], key_antiquant_mode=3,
+                  value_antiquant_mode=3)                          # per token and KV head, [B, KV_N, capacity]
     layout = "BNSD_BSND" if q_len > 1 else "BNSD"
     out, _ = call_fia(query, key, value, num_heads=n, num_key_value_heads=kv_n, input_layout=layout, scale=scale,
                       **kw)
