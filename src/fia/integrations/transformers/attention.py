@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from . import batching
-from .cache import kv_scales
+from .cache import layer_of
 from .common import call_fia, template, unsupported
 from .masks import mask_plan
 
@@ -33,16 +33,20 @@ def fia_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
     kv_n, kv_len = key.shape[1], key.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     scale = float(scaling) if scaling is not None else d ** -0.5
-    plan = mask_plan(attention_mask, q_len, kv_len, bool(causal), sliding_window)
-    kw = dict(plan)
+    layer = layer_of(key)                                          # an FiaCache buffer: its length is known
+    if layer is not None and attention_mask is None:               # (transformers skipped an all-causal mask)
+        kw = {"actual_seq_lengths_kv": [layer.length]}
+        if q_len > 1 and causal:
+            kw["sparse_mode"] = 3                                  # right-down: the new tokens end the window
+    else:
+        kw = dict(mask_plan(attention_mask, q_len, kv_len, bool(causal), sliding_window))
     if kw.get("sparse_mode") in (3, 4):
         kw["atten_mask"] = template(query.device)
     if key.dtype == torch.int8:                                    # an int8 FiaCache's decode step
-        scales = kv_scales(key)
-        if scales is None or q_len != 1:
+        if layer is None or layer.key_scales is None or q_len != 1:
             unsupported("int8 key / value states", "only an int8 FiaCache's decode steps pass them (with its scales)")
-        kw.update(key_antiquant_scale=scales[0], value_antiquant_scale=scales[1], key_antiquant_mode=3,
-                  value_antiquant_mode=3)                          # per token and KV head, [B, KV_N, capacity]
+        kw.update(key_antiquant_scale=layer.key_scales, value_antiquant_scale=layer.value_scales,
+                  key_antiquant_mode=3, value_antiquant_mode=3)   # per token and KV head, [B, KV_N, capacity]
     layout = "BNSD_BSND" if q_len > 1 else "BNSD"
     out, _ = call_fia(query, key, value, num_heads=n, num_key_value_heads=kv_n, input_layout=layout, scale=scale,
                       **kw)

@@ -28,6 +28,7 @@ naming the argument.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -103,8 +104,14 @@ class FiaLayer(CacheLayerMixin):
                 ks[:, :, :n] = self.key_scales[:, :, :n]
                 vs[:, :, :n] = self.value_scales[:, :, :n]
             self.key_scales, self.value_scales = ks, vs
-            keys._fia_kv_scales = values._fia_kv_scales = (ks, vs)   # what the attention function passes FIA
+        self._tag()
         self.capacity = capacity
+
+    def _tag(self) -> None:
+        """Mark the buffers as this layer's: the attention function reads the layer's length (and int8 scales)
+        from the key it is handed (transformers may pass no mask when nothing is padded)."""
+        ref = weakref.ref(self)
+        self.keys._fia_layer = self.values._fia_layer = ref
 
     def _capacity_for(self, need: int) -> int:
         if not self.is_initialized:
@@ -145,11 +152,14 @@ class FiaLayer(CacheLayerMixin):
 
     def _dequantized(self):
         ks, vs = self.key_scales.unsqueeze(-1), self.value_scales.unsqueeze(-1)
-        return (self.keys.float() * ks).to(self.dtype), (self.values.float() * vs).to(self.dtype)
+        k, v = (self.keys.float() * ks).to(self.dtype), (self.values.float() * vs).to(self.dtype)
+        k._fia_layer = v._fia_layer = weakref.ref(self)             # (their length: the layer's)
+        return k, v
 
     def get_mask_sizes(self, query_length: int) -> tuple:
         """(kv_length, kv_offset) of the next update's result: the capacity it will have (the mask covers the
-        whole buffers; FIA gets the lengths)."""
+        whole buffers; FIA gets the lengths). transformers skips the mask when nothing is padded (then the attention
+        function takes the lengths from the layer: layer_of)."""
         if self.quantize and query_length > 1 and self.length == 0:
             return query_length, 0                                   # (the unquantized states themselves)
         return self._capacity_for(self.length + query_length), 0
@@ -183,8 +193,7 @@ class FiaLayer(CacheLayerMixin):
         for name in tensors:
             setattr(self, name, getattr(self, name).index_select(0, index))
         self.batch_size = index.numel()
-        if self.quantize:
-            self.keys._fia_kv_scales = self.values._fia_kv_scales = (self.key_scales, self.value_scales)
+        self._tag()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row b takes row beam_idx[b] (the same number of rows)."""
@@ -219,9 +228,10 @@ class FiaCache(Cache):
         self.quantize = quantize
 
 
-def kv_scales(key: torch.Tensor) -> Optional[tuple]:
-    """The (key scales, value scales) [B, KV_N, capacity] of an int8 FiaCache buffer, or None."""
-    return getattr(key, "_fia_kv_scales", None)
+def layer_of(key: torch.Tensor) -> Optional[FiaLayer]:
+    """The FiaLayer whose buffer `key` is, or None."""
+    ref = getattr(key, "_fia_layer", None)
+    return None if ref is None else ref()
 
 
 IMPLEMENTATIONS = {"fia": None, "fia_int8": "int8"}     # cache_implementation= names -> quantize

@@ -1,0 +1,183 @@
+"""fia.integrations.transformers.FiaCache: preallocated buffers appended in place, bf16 / float32 and int8.
+
+Small Llama configs with random weights (from_config, no downloads): greedy generation identical to eager in float32
+(left-padded batch, beam search, growth past the first allocation, cache_implementation names), logits against
+eager, the int8 variant's documented tolerance, the FIA calls a decode step makes (fixed shapes, a lengths list)
+and the errors for what the cache cannot hold.
+"""
+import copy
+
+import pytest
+import torch
+
+import fia
+
+transformers = pytest.importorskip("transformers")
+FT = pytest.importorskip("fia.integrations.transformers")
+
+from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
+
+from fia.integrations.transformers import FiaCache, cache as FC  # noqa: E402
+
+pytestmark = pytest.mark.backend_independent      # whole models: automatic backend selection, one run
+
+COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              head_dim=16, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3)
+_MODELS = {}
+
+
+def _models(dtype):
+    if dtype not in _MODELS:
+        cfg = transformers.LlamaConfig(**COMMON)
+        torch.manual_seed(0)
+        eager = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="eager", dtype=dtype).eval()
+        mine = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="fia", dtype=dtype).eval()
+        mine.load_state_dict(eager.state_dict())
+        _MODELS[dtype] = (eager, mine)
+    return _MODELS[dtype]
+
+
+def _batch(seq=9, pad=3, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, COMMON["vocab_size"], (2, seq), generator=g)
+    mask = torch.ones(2, seq, dtype=torch.long)
+    mask[1, :pad] = 0                                      # left padding, as generate() pads decoder-only prompts
+    return ids, mask
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    seen = []
+    real = fia.npu_fused_infer_attention_score
+
+    def spy(q, k, v, **kw):
+        seen.append(dict(kw, q_shape=tuple(q.shape), k_shape=tuple(k.shape), k_dtype=k.dtype))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(fia, "npu_fused_infer_attention_score", spy)
+    return seen
+
+
+def _generate(model, ids, mask, n, **kw):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw)
+
+
+@pytest.mark.parametrize("how", ["instance", "fia"])
+def test_greedy_identical_to_eager_with_left_padding(how):
+    eager, mine = _models(torch.float32)
+    ids, mask = _batch()
+    want = _generate(eager, ids, mask, 12)
+    kw = dict(cache=FiaCache(mine.config)) if how == "instance" else dict(cache_implementation="fia")
+    assert torch.equal(_generate(mine, ids, mask, 12, **kw), want)
+
+
+def test_growth_and_in_place_appends(monkeypatch):
+    """Blocks of 16 positions: the generation outgrows the first allocation several times and stays identical to
+    eager; between growths a decode step writes into the same buffers (no per-step copy)."""
+    monkeypatch.setattr(FC, "BLOCK", 16)
+    eager, mine = _models(torch.float32)
+    ids, mask = _batch(seq=5, pad=2, seed=4)
+    cache = FiaCache(mine.config)
+    ptrs = []
+    layer = cache.layers[0]
+    real = layer.update
+
+    def update(k, v, *a, **kw):
+        res = real(k, v, *a, **kw)
+        ptrs.append((layer.keys.data_ptr(), layer.capacity, layer.length))
+        return res
+    monkeypatch.setattr(layer, "update", update)
+    got = _generate(mine, ids, mask, 80, cache=cache)
+    assert torch.equal(got, _generate(eager, ids, mask, 80))
+    caps = sorted({c for _, c, _ in ptrs})
+    assert len(caps) >= 3 and caps[-1] >= 84 and all(c % 16 == 0 for c in caps)
+    for (p0, c0, _), (p1, c1, _) in zip(ptrs, ptrs[1:]):
+        assert (p0 == p1) == (c0 == c1)                    # a new buffer exactly when the capacity grew
+
+
+def test_beam_search_identical_to_eager():
+    eager, mine = _models(torch.float32)
+    ids, mask = _batch(seed=2)
+    kw = dict(num_beams=3, num_return_sequences=2)
+    assert torch.equal(_generate(mine, ids, mask, 8, cache=FiaCache(mine.config), **kw),
+                       _generate(eager, ids, mask, 8, **kw))
+
+
+def _step_logits(model, ids, mask, cache, steps):
+    """Prefill logits [B, V] and those of `steps` greedy decode steps (fed the same tokens to every model)."""
+    out, toks = [], []
+    with torch.no_grad():
+        o = model(ids, attention_mask=mask, cache=cache, use_cache=True)
+        out.append(o.logits[:, -1].float())
+        for _ in range(steps):
+            nxt = out[-1].argmax(-1, keepdim=True) if not toks else toks[-1]
+            toks.append(nxt)
+            mask = torch.cat([mask, torch.ones_like(nxt)], 1)
+            o = model(nxt, attention_mask=mask, cache=cache, use_cache=True)
+            out.append(o.logits[:, -1].float())
+    return torch.stack(out), torch.cat(toks, 1)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_logits_against_eager(dtype, tol):
+    eager, mine = _models(dtype)
+    ids, mask = _batch(seed=3)
+    want, _ = _step_logits(eager, ids, mask, DynamicCache(config=eager.config), 5)
+    got, _ = _step_logits(mine, ids, mask, FiaCache(mine.config), 5)
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err < tol, err
+
+
+def test_int8_within_the_documented_tolerance(calls):
+    """int8 K / V (per token and head): logits within INT8_LOGITS_TOLERANCE of the bf16 FiaCache, the same greedy
+    tokens here, and the decode steps hand FIA the int8 buffers with antiquant mode 3 at one fixed shape."""
+    _, mine = _models(torch.bfloat16)
+    ids, mask = _batch(seed=5)
+    want, wtok = _step_logits(mine, ids, mask, FiaCache(mine.config), 6)
+    calls.clear()
+    got, gtok = _step_logits(mine, ids, mask, FiaCache(mine.config, quantize="int8"), 6)
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert 0 < err < FC.INT8_LOGITS_TOLERANCE, err
+    assert torch.equal(gtok, wtok)
+    decode = [c for c in calls if c["q_shape"][2] == 1]
+    assert len(decode) == 6 * COMMON["num_hidden_layers"]
+    assert len({c["k_shape"] for c in decode}) == 1 and all(c["k_dtype"] == torch.int8 for c in decode)
+    assert all(c["key_antiquant_mode"] == 3 and c["value_antiquant_mode"] == 3 for c in decode)
+    assert all(isinstance(c["actual_seq_lengths_kv"], list) or "kv_padding_size" in c for c in decode)
+
+
+def test_decode_steps_are_one_signature_with_lengths(calls):
+    _, mine = _models(torch.bfloat16)
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(6))
+    _generate(mine, ids, torch.ones_like(ids), 6, cache=FiaCache(mine.config))
+    decode = [c for c in calls if c["q_shape"][2] == 1]
+    assert len(decode) == 5 * COMMON["num_hidden_layers"]
+    assert len({c["k_shape"] for c in decode}) == 1                           # the same buffers every step
+    lens = [c["actual_seq_lengths_kv"] for c in decode[::COMMON["num_hidden_layers"]]]
+    assert lens == [[8 + i] for i in range(5)]                                # one length for all (no padding)
+    assert all("atten_mask" not in c and "kv_padding_size" not in c for c in decode)
+
+
+def test_errors_for_what_the_cache_cannot_hold():
+    cfg = transformers.LlamaConfig(**COMMON)
+    with pytest.raises(ValueError, match="quantize: expected one of"):
+        FiaCache(cfg, quantize="int4")
+    g = torch.Generator().manual_seed(7)
+    k = torch.randn(2, 2, 3, 16, generator=g)
+    cache = FiaCache(cfg)
+    with pytest.raises(ValueError, match="key_states: FiaCache holds"):
+        cache.update(k.double(), k.double(), 0)
+    cache.update(k, k, 1)
+    with pytest.raises(ValueError, match="key_states: this FiaCache holds torch.float32"):
+        cache.update(k.bfloat16(), k.bfloat16(), 1)
+    with pytest.raises(ValueError, match=r"beam_idx: expected 2 indices"):
+        cache.reorder_cache(torch.tensor([0, 1, 1]))
+    with pytest.raises(ValueError, match=r"beam_idx: expected batch indices in \[0, 2\)"):
+        cache.reorder_cache(torch.tensor([0, 2]))
+    with pytest.raises(ValueError, match="indices: expected a 1-D integer tensor"):
+        cache.batch_select_indices(torch.tensor([True, False]))
+    layer = cache.layers[1]
+    before = layer.keys[:, :, :3].clone()
+    cache.reorder_cache(torch.tensor([1, 0]))
+    assert torch.equal(layer.keys[:, :, :3], before.flip(0))
