@@ -238,15 +238,6 @@ def test_register_is_idempotent():
     assert "fia" in AttentionMaskInterface._global_mapping
 
 
-def test_transformers_bench_runs(capsys):
-    from fia.bench import transformers_bench as TB
-    cfg = _config("llama")
-    res = TB.bench(("fia", "sdpa"), prompt=16, steps=3, repeats=1, config=cfg, warmup=False)
-    assert set(res) == {"fia", "sdpa"} and all(r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 for r in res.values())
-    assert res["sdpa"]["same_tokens_as_first"] == 1.0
-    assert "decode 3 steps" in capsys.readouterr().out
-
-
 def test_generate_batch_paged_identical_to_sdpa(calls):
     """Continuous batching (PagedAttentionCache): prefill packed in TND with cumulative lengths, decode through FIA's
     paged KV path (the cache's page pool read in place with transformers' block table); greedy tokens as "sdpa"."""

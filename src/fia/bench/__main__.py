@@ -9,8 +9,10 @@
   --list           print the case names and exit
   --demo           run the paged-KV decode loop of the README (fia.bench.demo) and exit
   --cold           cold start per call family: fresh processes with empty kernel caches (fia.bench.cold)
-  --transformers   a transformers model end to end, attn_implementation fia / sdpa / eager: prefill 512 tokens +
-                   64 decode steps, tokens/s (fia.bench.transformers_bench; --dtype, --batch, --prompt, --steps)
+  --transformers   greedy decoding of a transformers model, attn_implementation fia (DynamicCache, FiaCache, int8
+                   FiaCache) vs sdpa: decode ms/step, tokens/s, attention share, x SDPA, prefill, same tokens;
+                   transformers.json / .md / .png under --out (fia.bench.transformers_bench; lists: --context,
+                   --batch, --dtype, --caches, --impls; --steps, --repeats)
 """
 from __future__ import annotations
 

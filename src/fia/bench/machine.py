@@ -146,6 +146,12 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def host() -> dict:
+    """What a benchmark without ceilings reports about the machine (the fields Ceilings shares)."""
+    return {"cpu": _cpu_name(), "cpu_capability": _cpu_capability(), "threads": torch.get_num_threads(),
+            "torch_version": torch.__version__, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset")}
+
+
 def _llc_mb() -> float:
     """Size of the highest cache level of CPU 0 in MB (Linux sysfs; 0 when unknown). On a VM this is the
     host's cache as the hypervisor reports it, shared with other guests."""

@@ -83,14 +83,21 @@ def _drift_lines(c: dict) -> list[str]:
             f"apart): the machine changed during the run; % ceil uses the higher one"]
 
 
-def terminal_table(records: list[dict], ceilings: dict) -> str:
-    body = rows(records)
-    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(COLUMNS)]
-    left = (0, 1, len(COLUMNS) - 1)
+def text_table(columns: list[str], body: list[list[str]], left=(0,)) -> list[str]:
+    """Aligned plain-text lines (header, rule, rows); the columns whose index is in `left` align left."""
+    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(columns)]
     fmt = lambda cells: "  ".join(c.ljust(w) if i in left else c.rjust(w)  # noqa: E731
                                   for i, (c, w) in enumerate(zip(cells, widths)))
-    lines = ceilings_lines(ceilings) + ["", fmt(COLUMNS), "  ".join("-" * w for w in widths)]
-    lines += [fmt(r) for r in body]
+    return [fmt(columns), "  ".join("-" * w for w in widths)] + [fmt(r) for r in body]
+
+
+def markdown_table(columns: list[str], body: list[list[str]]) -> list[str]:
+    return (["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+            + ["| " + " | ".join(c.replace("|", "/") for c in r) + " |" for r in body])
+
+
+def terminal_table(records: list[dict], ceilings: dict) -> str:
+    lines = ceilings_lines(ceilings) + [""] + text_table(COLUMNS, rows(records), left=(0, 1, len(COLUMNS) - 1))
     return "\n".join(lines)
 
 
@@ -125,8 +132,7 @@ def markdown(records: list[dict], ceilings: dict, meta: dict) -> str:
     out = ["# FIA benchmark", ""]
     out += [f"- {line}" for line in ceilings_lines(ceilings)]
     out += [f"- run: {meta.get('argv')} — {meta.get('duration_s', 0):.0f} s, {meta.get('started')}", ""]
-    out += ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
-    out += ["| " + " | ".join(c.replace("|", "/") for c in r) + " |" for r in rows(records, width=200)]
+    out += markdown_table(COLUMNS, rows(records, width=200))
     out += ["", "## Notes", "", NOTES]
     return "\n".join(out)
 
@@ -135,16 +141,30 @@ def _short(text: str, width: int = 40) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-def plot(records: list[dict], ceilings: dict, path: str) -> Optional[str]:
-    """FIA's achieved rate per case against the machine's ceiling and torch SDPA: one panel per kind (decode: GB/s
-    of K/V read, ceiling = read bandwidth; prefill: TFLOP/s, ceiling = the torch.mm rate). Linear axes, so the
-    blue bar's length inside the grey ceiling band is its share of the ceiling; the column at the right gives the
-    numbers (rate, % of ceiling, x SDPA). None when matplotlib is missing (pip install matplotlib) or no case ran."""
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend, or None when matplotlib is not installed."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def host_line(info: dict) -> str:
+    """'CPU ..., N threads, torch ...' from a dict with some of cpu / threads / torch_version."""
+    return ", ".join(str(x) for x in (info.get("cpu"), info.get("threads") and f"{info['threads']} threads",
+                                      info.get("torch_version") and f"torch {info['torch_version']}") if x)
+
+
+def plot(records: list[dict], ceilings: dict, path: str) -> Optional[str]:
+    """FIA's achieved rate per case against the machine's ceiling and torch SDPA: one panel per kind (decode: GB/s
+    of K/V read, ceiling = read bandwidth; prefill: TFLOP/s, ceiling = the torch.mm rate). Linear axes, so the
+    blue bar's length inside the grey ceiling band is its share of the ceiling; the column at the right gives the
+    numbers (rate, % of ceiling, x SDPA). None when matplotlib is missing (pip install matplotlib) or no case ran."""
+    plt = pyplot()
+    if plt is None:
         return None
     groups = [(k, [r for r in records if r["kind"] == k]) for k in ("decode", "prefill")]
     groups = [(k, rs) for k, rs in groups if rs]
@@ -195,8 +215,7 @@ def plot(records: list[dict], ceilings: dict, path: str) -> Optional[str]:
         ax.grid(axis="x", alpha=0.3)
         ax.set_axisbelow(True)
     handles, labels = axes[0, 0].get_legend_handles_labels()
-    who = ", ".join(str(x) for x in (ceilings.get("cpu"), ceilings.get("threads") and f"{ceilings['threads']} threads",
-                                     ceilings.get("torch_version") and f"torch {ceilings['torch_version']}") if x)
+    who = host_line(ceilings)
     fig.suptitle("FIA vs the machine's ceiling and torch SDPA" + (f" ({who})" if who else ""), fontsize=11)
     fig.legend(handles, labels, loc="upper center", ncol=3, fontsize=9, frameon=False, bbox_to_anchor=(0.5, 0.965))
     fig.tight_layout(rect=(0, 0, 1, 0.94))
@@ -205,14 +224,21 @@ def plot(records: list[dict], ceilings: dict, path: str) -> Optional[str]:
     return path
 
 
-def write_all(records: list[dict], ceilings: dict, meta: dict, out_dir: str) -> dict:
+def write_files(out_dir: str, stem: str, data: dict, markdown_text: str, draw) -> dict:
+    """`stem`.json (data), `stem`.md and `stem`.png (draw(path), which returns None when it drew nothing) under
+    out_dir: {"json", "markdown", "png"} -> path, without "png" when there is no plot."""
     os.makedirs(out_dir, exist_ok=True)
-    paths = {"json": os.path.join(out_dir, "bench.json"), "markdown": os.path.join(out_dir, "bench.md"),
-             "png": os.path.join(out_dir, "bench.png")}
+    paths = {"json": os.path.join(out_dir, f"{stem}.json"), "markdown": os.path.join(out_dir, f"{stem}.md"),
+             "png": os.path.join(out_dir, f"{stem}.png")}
     with open(paths["json"], "w") as f:
-        json.dump({"meta": meta, "ceilings": ceilings, "cases": records}, f, indent=1, default=str)
+        json.dump(data, f, indent=1, default=str)
     with open(paths["markdown"], "w") as f:
-        f.write(markdown(records, ceilings, meta))
-    if plot(records, ceilings, paths["png"]) is None:
+        f.write(markdown_text)
+    if draw(paths["png"]) is None:
         paths.pop("png")
     return paths
+
+
+def write_all(records: list[dict], ceilings: dict, meta: dict, out_dir: str) -> dict:
+    return write_files(out_dir, "bench", {"meta": meta, "ceilings": ceilings, "cases": records},
+                       markdown(records, ceilings, meta), lambda path: plot(records, ceilings, path))
