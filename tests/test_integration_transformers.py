@@ -300,3 +300,60 @@ def test_decode_mask_plans_reproduce_the_mask():
                 end = KV - int(plan["kv_padding_size"][b]) if "kv_padding_size" in plan else lens[b]
                 got[b, 0, 0, end - lens[b]:end] = True
         assert torch.equal(got, allowed), (allowed, plan)
+
+
+def _family_config(family):
+    """More families: gpt-oss (learnable sinks, alternating sliding / full layers), Gemma3, Qwen3 (q / k norms),
+    a DeepSeek-V3-shaped MLA (query / key head dim nope 16 + rope 8, value 16)."""
+    if family == "gpt_oss":
+        return transformers.GptOssConfig(num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1,
+                                         sliding_window=6, layer_types=["sliding_attention", "full_attention"], **COMMON)
+    if family == "gemma3":
+        return transformers.Gemma3TextConfig(num_key_value_heads=2, sliding_window=6, query_pre_attn_scalar=24,
+                                             layer_types=["sliding_attention", "full_attention"], **COMMON)
+    if family == "qwen3":
+        return transformers.Qwen3Config(num_key_value_heads=2, **COMMON)
+    if family == "deepseek_v3":
+        common = {k: v for k, v in COMMON.items() if k != "head_dim"}
+        return transformers.DeepseekV3Config(num_key_value_heads=4, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                                             v_head_dim=16, kv_lora_rank=32, q_lora_rank=None, n_routed_experts=2,
+                                             num_experts_per_tok=1, first_k_dense_replace=2, n_group=1, topk_group=1,
+                                             **common)
+    raise AssertionError(family)
+
+
+MORE = ["gpt_oss", "gemma3", "qwen3", "deepseek_v3"]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", MORE)
+def test_more_families_match_eager(family, dtype, tol):
+    """Prefill logits on a left-padded batch against eager; float32 greedy generation (dynamic cache) identical.
+    gpt-oss's sinks are drawn with std 1 (clearly away from 0), so a mapping that ignored them would fail."""
+    cfg = _family_config(family)
+    torch.manual_seed(0)
+    eager = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="eager", dtype=dtype).eval()
+    if family == "gpt_oss":
+        for m in eager.modules():
+            if hasattr(m, "sinks"):
+                torch.nn.init.normal_(m.sinks, std=1.0)
+    mine = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="fia", dtype=dtype).eval()
+    mine.load_state_dict(eager.state_dict())
+    ids, mask = _batch()
+    with torch.no_grad():
+        ref = eager(ids, attention_mask=mask).logits
+        out = mine(ids, attention_mask=mask).logits
+        valid = mask.bool()
+        assert _rel(ref[valid], out[valid]) <= tol
+        if dtype == torch.float32:
+            kw = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+            assert torch.equal(mine.generate(ids, **kw), eager.generate(ids, **kw))
+
+
+def test_value_head_dim_larger_than_key_is_refused():
+    class M(torch.nn.Module):
+        is_causal = True
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(1, 2, 1, 8, generator=g), torch.randn(1, 2, 5, 8, generator=g)
+    with pytest.raises(FT.FiaTransformersUnsupported, match="value head dim 16 with query / key head dim 8"):
+        FT.fia_attention_forward(M(), q, k, torch.randn(1, 2, 5, 16, generator=g), None, scaling=0.3)

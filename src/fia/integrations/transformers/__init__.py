@@ -21,8 +21,14 @@ onto FIA's arguments (SPEC 2, 4, 5) without materializing what FIA expresses nat
 - GQA: ``num_key_value_heads`` = KV_N, K/V never repeated; ``scale`` = the module's ``scaling``.
 
 Options FIA cannot express raise ``FiaTransformersUnsupported`` naming the option (never a silently wrong result):
-attention logit soft-capping (``softcap``), dropout > 0, ``output_attentions``, ``position_bias``, attention sinks
-(``s_aux``), per-head masks, additive float masks that are not 0 / -inf.
+attention logit soft-capping (``softcap``), dropout > 0, ``output_attentions``, ``position_bias``, per-head masks,
+additive float masks that are not 0 / -inf, a value head dim above the query / key one.
+
+Attention sinks (gpt-oss passes ``s_aux``, one logit per query head) are FIA's learnable sinks, passed through
+``npu_fused_infer_attention_score_v2`` (the entry point that has them; a left-padded mask goes as a general mask
+there, _v2 has no padding sizes). A value head dim below the query / key one (DeepSeek-V3's MLA: nope 128 + rope 64
+vs value 128) is FIA's MLA form: query / key split into [..., :Dv] and the rope part (``query_rope`` /
+``key_rope``), run in portable mode (the NPU's MLA shapes are D 512 + rope 64).
 
 float32 models: float32 is not an NPU dtype, so FIA's strict validation (SPEC 1.4) would refuse it; the integration
 runs float32 calls under ``fia.validation_mode("portable")``. float16 / bfloat16 calls run in the caller's mode

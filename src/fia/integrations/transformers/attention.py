@@ -5,8 +5,8 @@ import torch
 
 from . import batching
 from .cache import layer_of
-from .common import call_fia, template, unsupported
-from .masks import mask_plan
+from .common import call_fia, call_fia_v2, template, unsupported
+from .masks import general_plan, mask_plan
 
 
 def fia_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -21,8 +21,6 @@ def fia_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
         unsupported("output_attentions=True", "FIA never materializes attention probabilities")
     if kwargs.get("position_bias") is not None:
         unsupported("position_bias", "pass it as an explicit pse_shift through FIA's API instead")
-    if kwargs.get("s_aux") is not None:
-        unsupported("attention sinks (s_aux)", "not mapped by this integration")
     if key.dim() != 4 or query.dim() != 4:
         unsupported("non 4-D query/key/value", "expected [B, N, S, D]")
     if kwargs.get("block_table") is not None and kwargs.get("k_cache") is not None:
@@ -48,8 +46,25 @@ def fia_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
         kw.update(key_antiquant_scale=layer.key_scales, value_antiquant_scale=layer.value_scales,
                   key_antiquant_mode=3, value_antiquant_mode=3)   # per token and KV head, [B, KV_N, capacity]
     layout = "BNSD_BSND" if q_len > 1 else "BNSD"
-    out, _ = call_fia(query, key, value, num_heads=n, num_key_value_heads=kv_n, input_layout=layout, scale=scale,
-                      **kw)
+    portable = False
+    dv = value.shape[-1]
+    if dv != d:                                                    # DeepSeek-V3 (MLA): q / k = [nope | rope]
+        if dv > d or key.dtype == torch.int8:
+            unsupported(f"a value head dim {dv} with query / key head dim {d}", "FIA's rope split needs Dv < D")
+        kw.update(query_rope=query[..., dv:], key_rope=key[..., dv:])      # scores: (nope . nope + rope . rope)
+        query, key = query[..., :dv], key[..., :dv]
+        portable = True                                            # (the NPU's MLA shapes are D 512 + rope 64)
+    sinks = kwargs.get("s_aux")
+    if sinks is not None:                                          # gpt-oss: FIA's learnable sinks (SPEC 1.1b)
+        if "kv_padding_size" in kw:                                # (_v2 has no padding sizes: the mask itself)
+            kw = general_plan(attention_mask, q_len, kv_len)
+        if sinks.dim() != 1 or sinks.shape[0] != n:
+            unsupported(f"attention sinks of shape {tuple(sinks.shape)}", f"FIA takes one per query head ({n})")
+        out, _ = call_fia_v2(query, key, value, num_heads=n, num_key_value_heads=kv_n, input_layout=layout,
+                             scale=scale, learnable_sink=sinks.detach().to(query.dtype), portable=portable, **kw)
+    else:
+        out, _ = call_fia(query, key, value, num_heads=n, num_key_value_heads=kv_n, input_layout=layout,
+                          scale=scale, portable=portable, **kw)
     if q_len == 1:
         out = out.transpose(1, 2)                                  # [B, N, 1, D] -> [B, 1, N, D] (no copy)
     return out, None

@@ -27,12 +27,30 @@ def template(device) -> torch.Tensor:
     return t
 
 
-def call_fia(query, key, value, **kw):
+def call_fia(query, key, value, portable: bool = False, **kw):
     """fia.npu_fused_infer_attention_score (looked up at call time) -> (out, lse). float32 is not an NPU dtype
-    (SPEC 1.4): float32 calls run under the portable validation mode; float16 / bfloat16 calls in the caller's
-    mode (strict by default: what runs here also passes the NPU's checks)."""
+    (SPEC 1.4): float32 calls run under the portable validation mode, and so do calls the NPU's shape rules do not
+    cover (`portable`); float16 / bfloat16 calls in the caller's mode (strict by default: what runs here also
+    passes the NPU's checks)."""
     attn = fia.npu_fused_infer_attention_score
-    if query.dtype == torch.float32:
+    if portable or query.dtype == torch.float32:
+        with fia.validation_mode("portable"):
+            return attn(query, key, value, **kw)
+    return attn(query, key, value, **kw)
+
+
+# npu_fused_infer_attention_score's argument names -> _v2's (learnable sinks exist on _v2 only)
+V2_NAMES = {"num_heads": "num_query_heads", "scale": "softmax_scale", "actual_seq_lengths": "actual_seq_qlen",
+            "actual_seq_lengths_kv": "actual_seq_kvlen", "key_antiquant_scale": "dequant_scale_key",
+            "value_antiquant_scale": "dequant_scale_value", "key_antiquant_mode": "key_quant_mode",
+            "value_antiquant_mode": "value_quant_mode"}
+
+
+def call_fia_v2(query, key, value, portable: bool = False, **kw):
+    """call_fia through npu_fused_infer_attention_score_v2, kw in the v1 names (V2_NAMES)."""
+    attn = fia.npu_fused_infer_attention_score_v2
+    kw = {V2_NAMES.get(k, k): v for k, v in kw.items()}
+    if portable or query.dtype == torch.float32:
         with fia.validation_mode("portable"):
             return attn(query, key, value, **kw)
     return attn(query, key, value, **kw)

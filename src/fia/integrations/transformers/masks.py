@@ -76,6 +76,16 @@ def _plan_from_mask(allowed: torch.Tensor, q_len: int, kv_len: int, causal: bool
     return _window_plan(found, lo.tolist(), hi.tolist(), q_len, kv_len, dev)
 
 
+def general_plan(mask, q_len: int, kv_len: int) -> dict:
+    """The mask as FIA's general atten_mask (True = masked), for calls that cannot take per-batch padding sizes."""
+    allowed = _allowed(mask, kv_len)
+    if allowed.shape[1] != 1:
+        if not bool(torch.all(allowed == allowed[:, :1])):
+            unsupported("per-head attention masks", "FIA's atten_mask is shared by all heads (SPEC 5)")
+        allowed = allowed[:, :1]
+    return _general(allowed[:, 0], q_len)
+
+
 def _general(a: torch.Tensor, q_len: int) -> dict:
     """A general mask: FIA's convention, True = masked."""
     m = ~a
