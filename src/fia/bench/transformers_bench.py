@@ -287,8 +287,8 @@ def plot(records: list, meta: dict, path: str) -> Optional[str]:
     handles, labels = axes[0, 0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncol=len(kinds), fontsize=9, frameon=False)
     who = host_line(meta.get("host", {}))
-    fig.suptitle(f"transformers greedy decoding, attn_implementation fia vs sdpa ({meta.get('model', '')}, "
-                 f"{meta.get('steps')} decode steps)" + (f"\n{who}" if who else ""), fontsize=11)
+    fig.suptitle(f"transformers greedy decoding, attn_implementation fia vs sdpa, {meta.get('steps')} decode steps\n"
+                 f"{meta.get('model', '')}" + (f"\n{who}" if who else ""), fontsize=10)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
