@@ -119,3 +119,19 @@ def pytest_pyfunc_call(pyfuncitem):
         outcome.force_exception(pytest.fail.Exception(
             f"conftest/backend_caps excluded this case ({excluded.args[0]}) but the backend ran it: coverage lost",
             pytrace=False))
+
+
+@pytest.fixture
+def fia_calls(monkeypatch):
+    """The keyword arguments of every fia.npu_fused_infer_attention_score call, with the query / key shapes and the
+    key dtype (q_shape, k_shape, k_dtype): integrations look the function up at call time."""
+    import fia
+    seen = []
+    real = fia.npu_fused_infer_attention_score
+
+    def spy(q, k, v, **kw):
+        seen.append(dict(kw, q_shape=tuple(q.shape), k_shape=tuple(k.shape), k_dtype=k.dtype))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(fia, "npu_fused_infer_attention_score", spy)
+    return seen

@@ -64,17 +64,9 @@ def _batch(seq=10, pad=3):
 
 
 @pytest.fixture
-def calls(monkeypatch):
-    """Record FIA's keyword arguments: the integration looks fia.npu_fused_infer_attention_score up at call time."""
-    seen = []
-    real = fia.npu_fused_infer_attention_score
-
-    def spy(q, k, v, **kw):
-        seen.append(dict(kw, q_shape=tuple(q.shape), k_shape=tuple(k.shape)))
-        return real(q, k, v, **kw)
-
-    monkeypatch.setattr(fia, "npu_fused_infer_attention_score", spy)
-    return seen
+def calls(fia_calls):
+    """FIA's keyword arguments per call (conftest.fia_calls)."""
+    return fia_calls
 
 
 def _rel(a, b):

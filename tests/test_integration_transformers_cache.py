@@ -10,7 +10,6 @@ import copy
 import pytest
 import torch
 
-import fia
 
 transformers = pytest.importorskip("transformers")
 FT = pytest.importorskip("fia.integrations.transformers")
@@ -46,16 +45,9 @@ def _batch(seq=9, pad=3, seed=1):
 
 
 @pytest.fixture
-def calls(monkeypatch):
-    seen = []
-    real = fia.npu_fused_infer_attention_score
-
-    def spy(q, k, v, **kw):
-        seen.append(dict(kw, q_shape=tuple(q.shape), k_shape=tuple(k.shape), k_dtype=k.dtype))
-        return real(q, k, v, **kw)
-
-    monkeypatch.setattr(fia, "npu_fused_infer_attention_score", spy)
-    return seen
+def calls(fia_calls):
+    """FIA's keyword arguments per call (conftest.fia_calls)."""
+    return fia_calls
 
 
 def _generate(model, ids, mask, n, **kw):
