@@ -10,6 +10,8 @@ import copy
 import pytest
 import torch
 
+from util import prompt_batch
+
 import fia
 
 transformers = pytest.importorskip("transformers")
@@ -56,11 +58,7 @@ def _models(family, dtype):
 
 
 def _batch(seq=10, pad=3):
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, COMMON["vocab_size"], (2, seq), generator=g)
-    mask = torch.ones(2, seq, dtype=torch.long)
-    mask[1, :pad] = 0                                      # left padding, as generate() pads decoder-only prompts
-    return ids, mask
+    return prompt_batch(COMMON["vocab_size"], seq, pad)
 
 
 @pytest.fixture

@@ -10,6 +10,8 @@ import copy
 import pytest
 import torch
 
+from util import prompt_batch
+
 
 transformers = pytest.importorskip("transformers")
 FT = pytest.importorskip("fia.integrations.transformers")
@@ -37,11 +39,7 @@ def _models(dtype):
 
 
 def _batch(seq=9, pad=3, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, COMMON["vocab_size"], (2, seq), generator=g)
-    mask = torch.ones(2, seq, dtype=torch.long)
-    mask[1, :pad] = 0                                      # left padding, as generate() pads decoder-only prompts
-    return ids, mask
+    return prompt_batch(COMMON["vocab_size"], seq, pad, seed)
 
 
 @pytest.fixture

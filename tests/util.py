@@ -36,6 +36,16 @@ def randn(shape, g: torch.Generator, dtype=torch.float16, std: float = 1.0) -> t
     return (torch.randn(*shape, generator=g, dtype=torch.float64) * std).to(dtype)
 
 
+def prompt_batch(vocab: int, seq: int, pad: int, seed: int = 1):
+    """Two random token prompts (ids [2, seq]) and their attention mask, the second left-padded by `pad`, as
+    generate() pads decoder-only prompts."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (2, seq), generator=g)
+    mask = torch.ones(2, seq, dtype=torch.long)
+    mask[1, :pad] = 0
+    return ids, mask
+
+
 def randmask(shape, g: torch.Generator, p: float = 0.3) -> torch.Tensor:
     """Random bool mask, True (= masked) with probability p."""
     return torch.rand(*shape, generator=g) < p
