@@ -166,8 +166,12 @@ def test_errors_for_what_the_cache_cannot_hold():
     with pytest.raises(ValueError, match=r"beam_idx: expected batch indices in \[0, 2\)"):
         cache.reorder_cache(torch.tensor([0, 2]))
     with pytest.raises(ValueError, match="indices: expected a 1-D integer tensor"):
-        cache.batch_select_indices(torch.tensor([True, False]))
+        cache.batch_select_indices(torch.tensor([0.0, 1.0]))
     layer = cache.layers[1]
     before = layer.keys[:, :, :3].clone()
     cache.reorder_cache(torch.tensor([1, 0]))
     assert torch.equal(layer.keys[:, :, :3], before.flip(0))
+    cache.batch_repeat_interleave(2)                       # rows 1, 1, 0, 0 of the original
+    assert layer.batch_size == 4 and torch.equal(layer.keys[:, :, :3], before.flip(0).repeat_interleave(2, 0))
+    cache.batch_select_indices(torch.tensor([False, False, True, False]))     # a row mask
+    assert layer.batch_size == 1 and torch.equal(layer.keys[:, :, :3], before[:1])

@@ -174,7 +174,7 @@ class FiaLayer(CacheLayerMixin):
         self.length = 0
 
     def crop(self, max_length: int) -> None:
-        """Keep the first `max_length` positions (negative: drop that many), as DynamicLayer.crop."""
+        """Drop -max_length positions when negative (transformers' form), else keep the first max_length."""
         if max_length < 0:
             max_length = self.length - abs(max_length)
         self.length = max(0, min(self.length, max_length))
@@ -183,7 +183,9 @@ class FiaLayer(CacheLayerMixin):
         if not self.is_initialized:
             return
         index = torch.as_tensor(index, device=self.device)
-        if index.dim() != 1 or index.dtype in (torch.bool,) or index.is_floating_point():
+        if index.dtype == torch.bool and index.shape == (self.batch_size,):      # a row mask, as indexing takes it
+            index = index.nonzero().flatten()
+        if index.dim() != 1 or index.dtype == torch.bool or index.is_floating_point():
             raise ValueError(f"{what}: expected a 1-D integer tensor of batch indices, got {index.dtype} of shape "
                              f"{tuple(index.shape)}")
         if index.numel() and (int(index.min()) < 0 or int(index.max()) >= self.batch_size):
