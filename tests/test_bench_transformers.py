@@ -57,7 +57,8 @@ def test_cli_tiny_model(tmp_path, capsys):
     for row, r in zip(rows, records):
         assert row[:5] == [str(r["context"]), str(r["batch"]), r["dtype"], r["impl"], r["cache"]]
         nums = [float(c.rstrip("%")) for c in row[5:]]
-        assert all(v > 0 for v in nums[:-1]) and 0 <= nums[-1] <= 100, row      # (the last: same tokens, %)
+        # rounded for print: a small share may show as 0 (the records above hold the values, checked > 0)
+        assert all(v >= 0 for v in nums[:-1]) and 0 <= nums[-1] <= 100, row     # (the last: same tokens, %)
         assert nums[0] == pytest.approx(r["decode_ms_per_step"], rel=0.01, abs=0.01)
 
 
