@@ -227,7 +227,7 @@ def test_v4_matches_eager_tnd():
               softmax_lse_flag=True, scale=0.25)
     ref_out, ref_lse = fia.npu_fused_infer_attention_score(q, k, v, **kw)
     assert tuple(ref_lse.shape) == (8, n, 1)
-    out, lse = torch.empty_like(ref_out), torch.empty(8, n, 1)
+    out, lse = torch.full_like(ref_out, float("nan")), torch.full((8, n, 1), float("nan"))   # NaN until written
     opt = [None] * 25
     opt[2], opt[3] = cq, ckv                      # actualSeqLengthsOptional, actualSeqLengthsKvOptional
     ws, ex = aclnnFusedInferAttentionScoreV4GetWorkspaceSize(
@@ -260,7 +260,7 @@ def test_ifa_tensor_list_kv_matches_eager():
     ks = [randn((1, n, s, d), g) for s in lens]
     vs = [randn((1, n, s, d), g) for s in lens]
     ref = fia.npu_incre_flash_attention(q, ks, vs, num_heads=n, input_layout="BNSD", scale_value=0.2)
-    out = torch.empty_like(ref)
+    out = torch.full_like(ref, float("nan"))                     # NaN until written
     ws, ex = aclnnIncreFlashAttentionV4GetWorkspaceSize(q, ks, vs, None, None, None, None, None, None, None, None,
                                                         None, None, None, None, n, 0.2, "BNSD", 0, 0, 1, out)
     assert aclnnIncreFlashAttentionV4(None, ws, ex) == ACL_SUCCESS

@@ -372,11 +372,12 @@ class TestGraphMode(Once):
             q, k, v, kw = case("decode", storage, seed_of("opcheck", api))
             kw = keywords(api, kw, lse)
             out, l = fn(api)(q, k, v, **kw)
-            # lse flag off: the op leaves softmax_lse as it is, and opcheck compares it between eager and traced
-            # runs -- a defined value, never uninitialized memory (whose NaN garbage never compares equal)
-            s = torch.empty_like(l) if lse else torch.full((1,), 0.5, dtype=F16)
+            # opcheck compares the returned buffers (eager vs traced) with NaN != NaN: the outputs the op
+            # writes start as NaN, so an element it left unwritten fails every run; the placeholder it leaves
+            # alone (lse flag off) holds a defined value, never uninitialized memory
+            s = nan_like(l) if lse else torch.full((1,), 0.5, dtype=F16)
             torch.library.opcheck(graph.op(api, out=True), (q, k, v),
-                                  dict(kw, attention_out=torch.empty_like(out), softmax_lse=s),
+                                  dict(kw, attention_out=nan_like(out), softmax_lse=s),
                                   test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
     def test_opcheck_v2_workspace_and_update(self):

@@ -156,7 +156,7 @@ class TestV2NewKeywords:
         kw = dict(num_query_heads=n, input_layout="BNSD", dequant_scale_query=dsq, query_quant_mode=3,
                   out_dtype=torch.bfloat16)
         want, _ = fia.npu_fused_infer_attention_score_v2(q8, k, v, **kw)
-        buf = torch.empty(want.shape, dtype=BF16)
+        buf = torch.full(want.shape, float("nan"), dtype=BF16)          # NaN until written
         fia.npu_fused_infer_attention_score_v2.out(q8, k, v, out=[buf, torch.empty(1)], **kw)
         assert torch.equal(buf, want)
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -187,7 +187,11 @@ def test_infer_output_matches_the_call(layout, lse):
         out, l = getattr(fia, infer)(q, v, **kw)
         assert (out.shape, out.dtype) == (want.shape, want.dtype)
         assert (l.shape, l.dtype) == (want_lse.shape, want_lse.dtype)
-        # the capture pattern: .out into the helper's buffers equals the functional call
+        # the capture pattern: .out into the helper's buffers equals the functional call (the buffers are
+        # uninitialized: NaN in those the call writes, so an element left unwritten fails every run)
+        out.fill_(float("nan"))
+        if lse:
+            l.fill_(float("nan"))
         fn = getattr(fia, api)
         fn.out(q, k, v, out=[out, l], **kw)
         assert torch.equal(out, want)
@@ -378,7 +382,7 @@ def test_incre_per_token_antiquant(with_offset):
     want = ref(q, kd, vd, s, kv_win=[(0, 40), (0, 23)])
     close(out, want)
     # the same through aclnnIncreFlashAttentionV4 (its antiquantScale (2, B, S): per-token)
-    att = torch.empty_like(q)
+    att = torch.full_like(q, float("nan"))              # NaN until written
     ws, ex = aclnn.aclnnIncreFlashAttentionV4GetWorkspaceSize(
         q, [k8], [v8], None, None, [40, 23], None, None, None, None, None, sc, off, None, None, 4, s, "BNSD", 2, 0,
         1, att)
@@ -415,7 +419,7 @@ def test_per_batch_kv_padding_incre_and_aclnn():
     # one element still means every batch
     one = fia.npu_incre_flash_attention(q, k, v, kv_padding_size=torch.tensor([4]), **dict(kw, actual_seq_lengths=[20]))
     close(one, ref(q, k, v, s, kv_win=[(6, 26)] * 3))
-    att = torch.empty_like(q)
+    att = torch.full_like(q, float("nan"))              # NaN until written
     ws, ex = aclnn.aclnnIncreFlashAttentionV4GetWorkspaceSize(
         q, [k], [v], None, None, act, None, None, None, None, None, None, None, None, pad, 4, s, "BNSD", 2, 0, 1, att)
     aclnn.aclnnIncreFlashAttentionV4(None, ws, ex, None)
