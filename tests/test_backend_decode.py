@@ -926,6 +926,54 @@ def test_float32_portable(small_splits):
     compare((q, k, v), kw)
 
 
+@pytest.fixture
+def short_chunks(monkeypatch):
+    """Split-KV on small problems into items of several short chunks (32 keys), on the thread pool."""
+    monkeypatch.setattr(DEC_PLAN, "MIN_SPLIT", 8)
+    monkeypatch.setattr(DEC_PLAN, "ITEMS_PER_THREAD", 2)
+    monkeypatch.setattr(DEC_PLAN, "PARALLEL_MIN_WORK", 0)
+    monkeypatch.setattr(DEC_PLAN, "CHUNK_FLOATS", 32 * 128)
+
+
+@pytest.mark.parametrize("d", [64, 128, 48, 40])
+@pytest.mark.parametrize("G,sq", [(1, 1), (4, 1), (8, 2), (4, 4)])
+@pytest.mark.parametrize("layout", ["BNSD", "BSND", "BSH"])
+def test_float32_kv(d, G, sq, layout, short_chunks):
+    """float32 query, K and V (portable mode): the cpu/fma.py kernels on float32 rows where the head dim is a
+    multiple of 16 (kernels.DP_F32; the suite's DP_FLAGS variants without it and d = 40 run the generic loops),
+    with lengths (one batch without keys), GQA, Q_S 1-4 with a user mask (a fully masked row) and query lengths,
+    the lse, items of several chunks; BSND / BSH: items of both KV heads (decode.kernels.IP_HB), without the touch
+    pass for float32 rows (DP_F32)."""
+    g = gen("f32kv", d, G, sq, layout)
+    b, kvn, s = 3, 2, 300
+    n = G * kvn
+    lens = [300, 123, 0]
+    q = randn((b, n, sq, d), g, F32)
+    k, v = poison_kv(randn((b, kvn, s, d), g, F32), lens), poison_kv(randn((b, kvn, s, d), g, F32), lens)
+    kw = dict(num_heads=n, num_key_value_heads=kvn, input_layout=layout, scale=1 / math.sqrt(d),
+              softmax_lse_flag=True, actual_seq_lengths_kv=lens)
+    if sq > 1:
+        m = torch.rand(b, sq, s, generator=g) < 0.3
+        m[0, 1] = True
+        kw.update(atten_mask=m, actual_seq_lengths=[sq, sq - 1, sq])
+    compare((to_layout(q, layout), to_layout(k, layout), to_layout(v, layout)), kw)
+
+
+@pytest.mark.parametrize("G", [1, 4])
+def test_float32_kv_paged(G, short_chunks):
+    """float32 K / V in a shuffled paged pool read in place (unused slots NaN), with a bool mask and the lse."""
+    g = gen("f32paged", G)
+    lens, bs, kvn, d = [300, 129, 1], 128, 2, 128
+    b, n = len(lens), G * kvn
+    table, kpool = paged(lens, bs, kvn, d, g, F32, None)
+    vpool = randn(kpool.shape, g, F32).masked_fill(torch.isnan(kpool), NAN)
+    q = randn((b, n, 1, d), g, F32)
+    mask = torch.rand(b, table.shape[1] * bs, generator=g) < 0.2
+    kw = dict(num_heads=n, num_key_value_heads=kvn, input_layout="BNSD", scale=0.09, softmax_lse_flag=True,
+              actual_seq_lengths_kv=lens, block_table=table, block_size=bs, atten_mask=mask)
+    compare((q, kpool, vpool), kw, no_gather=True)
+
+
 def test_nan_propagates():
     """NaN inside the valid keys is not an error: it propagates like the reference (SPEC 14)."""
     g = gen("nanprop")

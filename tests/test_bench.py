@@ -107,7 +107,8 @@ def test_wrong_answer_is_not_timed(monkeypatch):
 
 def test_case_table_and_cli_list(capsys):
     names = [c.name for c in C.full_table()]
-    assert len(names) == len(set(names)) == 59
+    assert len(names) == len(set(names)) == 61
+    assert {"decode-fp32-dense-kv4096", "decode-fp32-dense-kv16384"} <= set(names)
     assert {"decode-bf16-fp4-kv4096", "decode-bf16-fp4-kv16384", "decode-bf16-int8-nz-kv4096",
             "decode-bf16-int8-nz-kv16384"} <= set(names)
     nz = C.decode_case("bf16", "int8-nz", 4096, N=64)

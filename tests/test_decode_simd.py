@@ -120,7 +120,8 @@ def test_nan_and_inf_propagate(kernels):
 from fia.cpu import fma as FM  # noqa: E402
 
 KINDS = {"bf16": (FM.KIND_BF16, torch.bfloat16), "fp16": (FM.KIND_FP16, torch.float16),
-         "int8": (FM.KIND_I8, torch.int8)}
+         "int8": (FM.KIND_I8, torch.int8), "f32": (FM.KIND_F32, torch.float32)}
+ESIZE = {"bf16": 2, "fp16": 2, "int8": 1, "f32": 4}
 
 
 def _fma_kernels(f16c: bool, narrow: bool):
@@ -158,6 +159,9 @@ def _pool(kind, rows, d, g):
     if dt == torch.int8:
         t = torch.randint(-128, 128, (rows, d), generator=g, dtype=torch.int8)
         return t, t.numpy().reshape(-1).view(np.uint8)
+    if dt == torch.float32:                                  # (loaded as is: no widening)
+        t = torch.randn(rows, d, generator=g)
+        return t, t.numpy().reshape(-1).view(np.uint8)
     t = torch.randn(rows, d, generator=g).to(dt)
     return t, t.view(torch.int16).numpy().reshape(-1).view(np.uint8)
 
@@ -174,7 +178,7 @@ def test_qk_fma(fma_kernels, kind, R, n, D):
     rows = torch.randperm(pool.shape[0], generator=g)[:n]
     offs = (rows * D).numpy().astype(np.int64)
     s = np.full((R, n + 7), np.nan, np.float32)
-    es = 1 if kind == "int8" else 2
+    es = ESIZE[kind]
     _qk_fma(q.numpy(), buf, KINDS[kind][0], offs, n, s, R, D, buf, offs, n, D, es)
     ref = (q.double() @ pool[rows].double().T).numpy()
     np.testing.assert_allclose(s[:, :n], ref, rtol=1e-5, atol=1e-3)
@@ -196,7 +200,7 @@ def test_pv_fma(fma_kernels, kind, R, n, Dv):
     acc0 = torch.randn(R, Dv + 16, generator=g).numpy()
     acc0[:, Dv:] = np.nan
     acc = acc0.copy()
-    es = 1 if kind == "int8" else 2
+    es = ESIZE[kind]
     _pv_fma(p.numpy(), buf, KINDS[kind][0], offs, n, acc, R, Dv, buf, offs, n, Dv, es)
     ref = acc0[:, :Dv] + (p[:, :n].double() @ pool[rows].double()).numpy()
     np.testing.assert_allclose(acc[:, :Dv], ref, rtol=1e-5, atol=1e-3)

@@ -140,7 +140,8 @@ def _kernel_line(q, k, v, **kw):
 
 def test_explain_names_the_decode_kernels(monkeypatch):
     """The decode backend's report line names the kernels its items pick (decode.kernels.kernel_flags) on
-    this CPU and under the kernel switches (DP_FLAGS), the generic loops for head dims they do not take."""
+    this CPU and under the kernel switches (DP_FLAGS), the generic loops for head dims they do not take (and float32
+    K / V without DP_F32)."""
     pytest.importorskip("numba")
     from fia.backends.decode import kernels as K
     g = gen(701)
@@ -162,6 +163,20 @@ def test_explain_names_the_decode_kernels(monkeypatch):
     assert _kernel_line(q, k, v) == f"kernels: QK {dp}, PV {dp}, software prefetch (nta; rows ahead: K, V)"
     assert _kernel_line(q.half(), k.half(), v.half()) == (
         "kernels: QK float32 FMA, PV float32 FMA, software prefetch (nta; rows ahead: K, V)")
+    # float32 K / V (portable mode): the same kernels on float32 rows (K.DP_F32), prefetching as "t1+ahead" whatever
+    # the policy; without the switch the generic loops
+    f32 = "QK float32 FMA on float32 rows, PV float32 FMA on float32 rows"
+    monkeypatch.setattr(K, "DP_FLAGS", kernels | K.DP_F32 | K.PREFETCH_POLICIES["nta+ahead"])
+    with fia.validation_mode("portable"):
+        assert _kernel_line(q.float(), k.float(), v.float()) == (
+            f"kernels: {f32}, software prefetch (t1; rows ahead: K, V)")
+        monkeypatch.setattr(K, "DP_FLAGS", kernels | K.DP_F32 | K.PREFETCH_POLICIES["nta-v"])
+        assert _kernel_line(q.float(), k.float(), v.float()) == (
+            f"kernels: {f32}, software prefetch (t1; rows ahead: K, V)")
+        monkeypatch.setattr(K, "DP_FLAGS", (kernels & ~K.DP_F32) | K.PREFETCH_POLICIES["nta-v"])
+        assert _kernel_line(q.float(), k.float(), v.float()) == (
+            "kernels: QK generic float32 loops, PV generic float32 loops")
+    monkeypatch.setattr(K, "DP_FLAGS", kernels | K.PREFETCH_POLICIES["nta+ahead"])
     k8, v8 = (torch.randint(-100, 100, (1, 2, 64, 128), generator=g, dtype=torch.int8) for _ in range(2))
     sc = randn((1, 2, 1, 128), g).to(torch.bfloat16)
     i8 = f"int16 x int8 dot products ({K.I8_DOT})" if K.HAS_VNNI else "float32 FMA"

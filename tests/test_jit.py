@@ -150,11 +150,12 @@ def test_first_decode_call_runs_on_the_torch_backend_while_decode_builds(tmp_pat
 
 
 @pytest.mark.parametrize("kv,d,generic", [(torch.bfloat16, 128, False), (torch.float16, 64, False),
-                                          (torch.int8, 128, False), (torch.float32, 128, True),
-                                          (torch.bfloat16, 72, True)], ids=str)
-def test_decode_asks_for_the_generic_build_only_where_it_runs_it(kv, d, generic):
+                                          (torch.int8, 128, False), (torch.float32, 128, False),
+                                          (torch.float32, 40, True), (torch.bfloat16, 72, True)], ids=str)
+def test_decode_asks_for_the_generic_build_only_where_it_runs_it(kv, d, generic, monkeypatch):
     """The generic float32 loops (about half the decode build) are their own kernel set: a call needs them only for
-    K / V the IR kernels do not cover -- decided from metadata as the launch decides it per source."""
+    K / V the IR kernels do not cover -- decided from metadata as the launch decides it per source (float32 K / V
+    only without the kernel switch DP_F32)."""
     import fia
     from fia import parse
     from fia.backends import registry
@@ -171,6 +172,10 @@ def test_decode_asks_for_the_generic_build_only_where_it_runs_it(kv, d, generic)
         p = parse.parse_fused(args)
     sets = registry.by_name("decode").kernel_sets(p)
     assert sets == (("decode", "decode-generic") if generic else ("decode",))
+    from fia.backends.decode import kernels as K
+    monkeypatch.setattr(K, "DP_FLAGS", K.DP_FLAGS & ~K.DP_F32)
+    generic = generic or kv == torch.float32
+    assert registry.by_name("decode").kernel_sets(p) == (("decode", "decode-generic") if generic else ("decode",))
 
 
 def test_warmup_command_builds_a_set_and_reports(tmp_path):

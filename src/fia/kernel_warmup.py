@@ -65,8 +65,7 @@ def _decode_calls(generic: bool = False) -> List[Callable[[], object]]:
                            value_shared_prefix=v[:1, :, :64], actual_shared_prefix_len=[64], **dense))
     if generic:                                                               # the generic loops' build
         calls = [lambda: f(q[..., :72].contiguous(), k[:, :, :64, :72].contiguous(),    # D = 72
-                           v[:, :, :64, :72].contiguous(), **dict(dense, scale=0.1)),
-                 lambda: f(q.float(), k[:, :, :64].float(), v[:, :, :64].float(), **dense)]  # float32 K / V
+                           v[:, :, :64, :72].contiguous(), **dict(dense, scale=0.1))]
     return calls
 
 
@@ -84,8 +83,8 @@ def run_decode(generic: bool = False) -> None:
 
 
 def run_decode_generic() -> None:
-    """Compile the decode kernels' generic float32 loops (float32 / int4 K or V, MLA rope, head dims not multiples
-    of 16)."""
+    """Compile the decode kernels' generic float32 loops (int4 K or V, MLA rope, head dims not multiples of 16;
+    float32 K / V with FIA_DECODE_F32=0)."""
     run_decode(generic=True)
 
 

@@ -5,7 +5,8 @@ Every case is BNSD unless its name says otherwise. Decode: Q_S = 1, no mask; the
 antiquant scales, or FP4 E2M1 with per-token-group FLOAT8_E8M0 scales (mode 6, the "-fp4" cases); the "-bsnd" cases keep a dense cache as [B, S, KV_N, D] (BSND), the "-bsh" paged ones a pool
 [blocks, block_size, KV_N * D] (BSH): a token's rows of all KV heads side by side. "-int8-paged": a 4-D paged int8
 pool [blocks, KV_N, block_size, D] with per-channel scales; "-int8-nz": the same pool as the 5-D NZ cache
-(blocks, KV_N, D/32, block_size, 32) of SPEC 8b, whose twin is the 4-D pool (not a dense cache).
+(blocks, KV_N, D/32, block_size, 32) of SPEC 8b, whose twin is the 4-D pool (not a dense cache). "decode-fp32-*":
+float32 query, K and V (portable mode, as float32 models run), SDPA in float32.
 Prefill: Q_S = KV_S = S, one of causal (sparse_mode 2 + the 2048x2048 template), band (sparse_mode 4,
 pre = next = 256, template), pse_shift (an ALiBi bias [1, N, S, S], no mask) or "psecausal": the ALiBi bias with the
 causal mask (sparse_mode 2 + template).
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+FP32 = {"fp32": torch.float32}       # the float32 decode cases (portable mode: float32 is not an NPU input dtype)
 STORAGES = ("dense", "paged", "int8-chan", "int8-tok")
 MASKS = ("causal", "band", "pse", "psecausal")
 
@@ -29,7 +31,7 @@ MASKS = ("causal", "band", "pse", "psecausal")
 class Case:
     name: str
     kind: str                 # "decode" | "prefill"
-    dtype: str                # "fp16" | "bf16"
+    dtype: str                # "fp16" | "bf16" | "fp32" (dense decode only)
     B: int
     N: int                    # query heads
     KV_N: int
@@ -50,7 +52,7 @@ class Case:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return DTYPES.get(self.dtype) or FP32[self.dtype]
 
     def unmasked_pairs(self) -> int:
         """Number of (query row, key) pairs that take part, per (batch, head)."""
@@ -136,6 +138,7 @@ def full_table() -> list[Case]:
     cases = [small_decode_case()]
     cases += [decode_case(dt, st, s) for s in (1024, 4096, 16384) for dt in DTYPES for st in STORAGES]
     cases += [decode_case("bf16", "fp4", s) for s in (4096, 16384)]
+    cases += [decode_case("fp32", "dense", s) for s in (4096, 16384)]
     cases += [decode_case("bf16", "int8-nz", s, N=64) for s in (4096, 16384)]
     cases += [c for s in (4096, 16384) for c in token_major_cases(s)]
     cases += [multi_token_decode_case(q, 4096) for q in (2, 4)]
@@ -145,7 +148,8 @@ def full_table() -> list[Case]:
 
 def quick_table() -> list[Case]:
     cases = [small_decode_case()] + [decode_case(dt, st, 4096) for dt in DTYPES for st in STORAGES]
-    cases += [decode_case("bf16", "fp4", 4096), decode_case("bf16", "int8-nz", 4096, N=64)]
+    cases += [decode_case("bf16", "fp4", 4096), decode_case("bf16", "int8-nz", 4096, N=64),
+              decode_case("fp32", "dense", 4096)]
     cases += token_major_cases(4096)
     cases += [prefill_case("bf16", m, 1024) for m in MASKS] + [prefill_case("fp16", "causal", 1024)]
     return cases
@@ -293,7 +297,7 @@ def build(case: Case, seed: int = 0) -> Inputs:
     randn = lambda *shape: torch.randn(*shape, generator=g, dtype=dt)  # noqa: E731
     kv = randn if case.layout == "BNSD" else lambda *shape: _token_major(*shape, randn=randn)
     q = kv(B, N, S_q, D)                                               # [B, N, S_q, D]
-    inp = Inputs(case, q, None, None)
+    inp = Inputs(case, q, None, None, extra={"portable": True} if case.dtype in FP32 else {})
     if case.storage == "dense":
         inp.key, inp.value = kv(B, KV_N, S_kv, D), kv(B, KV_N, S_kv, D)
     elif case.storage == "paged":

@@ -1,12 +1,13 @@
-"""float32 multiply-add micro-kernels of the decode backend for fp16, int8 and bf16 K / V, as LLVM IR.
+"""float32 multiply-add micro-kernels of the decode backend for fp16, int8, bf16 and float32 K / V, as LLVM IR.
 
 The counterpart of simd.py for what `vdpbf16ps` cannot take: fp16 values (no fp16 dot product on
-the CPUs measured), int8 values (widened: exact), and bf16 on CPUs without AVX512-BF16. Every element is
-widened to float32 in registers (fp16: `vcvtph2ps`; int8: sign extension + convert; bf16: shift) and
-multiplied with float32 FMAs; nothing is rounded that the float32 fused kernels did not round. What they
-add over decode.kernels.qk_fused / pv_fused is the memory side (docs/performance.md, "Micro-kernels in LLVM IR"):
-every K / V row is read front to back (interleaved rows halve what the prefetchers stream), the other
-stream is prefetched on the way (simd.prefetch_rows), and the accumulators stay in registers.
+the CPUs measured), int8 values (widened: exact), bf16 on CPUs without AVX512-BF16, and float32 K / V (portable
+mode), which are loaded as they are. Every other element is widened to float32 in registers (fp16: `vcvtph2ps`;
+int8: sign extension + convert; bf16: shift) and multiplied with float32 FMAs; nothing is rounded that the float32
+fused kernels did not round. What they add over decode.kernels.qk_fused / pv_fused is the memory side
+(docs/performance.md, "Micro-kernels in LLVM IR"): every K / V row is read front to back (interleaved rows halve
+what the prefetchers stream), the other stream is prefetched on the way (simd.prefetch_rows), and the accumulators
+stay in registers.
 
 * `qk_fma`: s[r, c] = q[r, :] . k_c for float32 query rows (the scale and key dequant factors folded in
   by the caller, as for qk_fused);
@@ -22,7 +23,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .simd import (F32, I16, I32, I64, KIND_BF16, KIND_FP16, KIND_I8, V16F, ZERO16, QKOp, c64, chunk_at, declare, first_only,
+from .simd import (F32, I16, I32, I64, KIND_BF16, KIND_F32, KIND_FP16, KIND_I8, V16F, ZERO16, QKOp, c64, chunk_at, declare, first_only,
     gep, load, other_stream, outlined, prefetch_ahead, prefetch_rows, ptr, pv_row_blocks, qk_blocks,
     qk_kernel, row_blocks, shared, splat, store, store_scores, switch, var, target_has)
 
@@ -39,17 +40,20 @@ NARROW = not target_has("avx512f")
 # (decode.kernels._items puts them back). Exact: the same products, only summed in another order.
 KIND_BF16_EO = 5
 # Keys per QK block of NR query rows (qk_narrow; 8 // NR where not listed). Elements widened one chunk at a time
-# (fp16 `vcvtph2ps`, int8) take 4 rows x 3 keys (12 accumulators, 15 of the 16 registers, no spills): fp16 QK
-# in L2 at 4 / 8 rows 0.89-0.93x per key (Zen 3, in-process A/B, results bitwise equal); 2 rows x 5 keys
-# 0.93x, x 6 spills (1.25x). bf16 even / odd halves stay at 4 x 2: their widened halves need 2 more registers
+# (fp16 `vcvtph2ps`, int8; float32 loaded as is) take 4 rows x 3 keys (12 accumulators, 15 of the 16 registers,
+# no spills): fp16 QK in L2 at 4 / 8 rows 0.89-0.93x per key (Zen 3, in-process A/B, results bitwise equal);
+# 2 rows x 5 keys 0.93x, x 6 spills (1.25x). bf16 even / odd halves stay at 4 x 2: their widened halves need 2 more registers
 # (4 x 3: 1.19-1.26x), and so does qk_i8 (vnni.py: 4 x 3 level, 0.99-1.02x).
 QK_NC_WIDENED = {4: 3, 2: 5}
+# Head dims whose float32 QK (16 lanes) is straight-line code: D = 64 too, so that its query stays in registers
+# (simd.qk_kernel's preload) -- D = 64 float32 K in L2, 4 rows, 1.17x per key against the loop over chunks
+QK_UNROLLED_F32 = (8, 4)
 
 
 def _kinds() -> tuple:
     """The element kinds qk_fma / pv_fma specialize for besides bf16 (read when the code is generated: the
     tests build wide and narrow kernels on one CPU by switching NARROW)."""
-    return (KIND_FP16, KIND_I8, KIND_BF16_EO) if NARROW else (KIND_FP16, KIND_I8)
+    return (KIND_F32, KIND_FP16, KIND_I8, KIND_BF16_EO) if NARROW else (KIND_F32, KIND_FP16, KIND_I8)
 
 
 def _vec(ty, lanes):
@@ -77,6 +81,8 @@ def _half_bits_to_f32(b, h):
 def widen(b, p, kind: int, lanes: int = 16):
     """`lanes` elements at byte pointer p as <lanes x float>."""
     vf, vi, vs = _vec(F32, lanes), _vec(I32, lanes), _vec(I16, lanes)
+    if kind == KIND_F32:                                   # (nothing to widen)
+        return load(b, p, vf)
     if kind == KIND_FP16:
         h = load(b, p, vs)
         return b.fpext(b.bitcast(h, _vec(ir.HalfType(), lanes)), vf) if F16C else _half_bits_to_f32(b, h)
@@ -96,7 +102,7 @@ def widen_eo(b, p):
 
 
 def _esize(kind: int) -> int:
-    return 1 if kind == KIND_I8 else 2
+    return 1 if kind == KIND_I8 else 4 if kind == KIND_F32 else 2
 
 
 def fmadd(b, x, y, acc):
@@ -115,7 +121,7 @@ def _qk_op(kind: int) -> QKOp:
 @intrinsic
 def qk_fma(typingctx, qaddr, q_rs, kaddr, kind, offaddr, n, saddr, s_rs, R, D, xaddr, xoffaddr, xn, xrow, xes):
     """s[r, c] = q[r, :D] . K[c, :D], r < R, c < n. q: float32 at qaddr, rows q_rs bytes apart; key c:
-    `kind` elements (KIND_BF16 / FP16 / I8) at element offs[c] of the buffer at kaddr; offs: int64 at
+    `kind` elements (KIND_BF16 / FP16 / I8 / F32) at element offs[c] of the buffer at kaddr; offs: int64 at
     offaddr; s: float32 at saddr, rows s_rs elements apart. D % 16 == 0. Prefetching as qk_dp."""
     sig = types.void(*([types.int64] * 15))
 
@@ -130,7 +136,8 @@ def qk_fma(typingctx, qaddr, q_rs, kaddr, kind, offaddr, n, saddr, s_rs, R, D, x
                 qk_narrow(b, _qk_narrow_op(KIND_BF16 if eo else kind), qa, qrs, ka, offp, sa, srs, R_, n_, D_, x,
                            eo, None if eo else QK_NC_WIDENED)
             else:
-                qk_kernel(b, _qk_op(kind), qa, qrs, ka, offp, sa, srs, R_, n_, D_, x, 16, (8,))
+                qk_kernel(b, _qk_op(kind), qa, qrs, ka, offp, sa, srs, R_, n_, D_, x, 16,
+                          QK_UNROLLED_F32 if kind == KIND_F32 else (8,))
         switch(b, kd, _kinds(), emit, KIND_BF16)
 
     def codegen(context, builder, signature, args):
@@ -266,8 +273,8 @@ def _pv_narrow(b, kind, pa, p_rs, va, offp, n, aa, a_rs, R, Dv, x):
             _pv_passes(b, kind, NR, DG, r0, pa, p_rs, va, offp, n, aa, a_rs, R, Dv, x, 8, 4)
 
         if NR == 4 and kind != KIND_BF16_EO:
-            # widened one chunk at a time (fp16, int8): 4 rows x 3 chunks (12 accumulators, as QK_NC_WIDENED),
-            # passes of 24 channels, then the rest 8 at a time. fp16 PV in L2 at 4 / 8 rows 0.83-0.86x per key,
+            # widened one chunk at a time (fp16, int8; float32 loaded): 4 rows x 3 chunks (12 accumulators, as
+            # QK_NC_WIDENED), passes of 24 channels, then the rest 8 at a time. fp16 PV in L2 at 4 / 8 rows 0.83-0.86x per key,
             # int8 0.95x (Zen 3, in-process A/B, bitwise equal); bf16 even / odd halves come in pairs of
             # chunks (4 x 2), and widened plainly with 4 x 3 they ran 1.04-1.20x of that
             n3 = b.udiv(Dv, c64(24))
@@ -289,6 +296,26 @@ def _pv_narrow(b, kind, pa, p_rs, va, offp, n, aa, a_rs, R, Dv, x):
     row_blocks(b, R, rows_of)
 
 
+def _pv_wide(b, kind, pa, p_rs, va, offp, n, aa, a_rs, R, Dv, x):
+    """pv_fma's body on 16-lane vectors: 2 rows x 8 chunks (128 channels: a whole row of D = 128 per pass), or x 4,
+    or x 1; float32 Dv = 64 (Dv % 128 != 0, Dv % 64 == 0): 4 rows x 4 chunks, 16 accumulators, one pass over the V
+    rows instead of two (whole items, 4 rows, D = 64, in L2 or L3: 1.08-1.10x)."""
+    def pairs():
+        pv_row_blocks(b, R, Dv, ((128, 8), (64, 4), 1), lambda NR, DG, r0: _pv_passes(
+            b, kind, NR, DG, r0, pa, p_rs, va, offp, n, aa, a_rs, R, Dv, x, 16, 2))
+    if kind != KIND_F32:
+        pairs()
+        return
+    four = b.and_(b.icmp_unsigned("!=", b.urem(Dv, c64(128)), c64(0)),
+                  b.icmp_unsigned("==", b.urem(Dv, c64(64)), c64(0)))
+    with b.if_else(four) as (then, otherwise):
+        with then:
+            row_blocks(b, R, lambda NR, r0: _pv_passes(b, kind, NR, 4, r0, pa, p_rs, va, offp, n, aa, a_rs, R, Dv, x,
+                                                       16, 4))
+        with otherwise:
+            pairs()
+
+
 @intrinsic
 def pv_fma(typingctx, paddr, p_rs, vaddr, kind, offaddr, n, aaddr, a_rs, R, Dv, xaddr, xoffaddr, xn, xrow, xes):
     """acc[r, :Dv] += sum_c p[r, c] * V[c, :Dv], r < R, c < n. p: float32 at paddr, rows p_rs bytes
@@ -305,9 +332,7 @@ def pv_fma(typingctx, paddr, p_rs, vaddr, kind, offaddr, n, aaddr, a_rs, R, Dv, 
             if NARROW:
                 _pv_narrow(b, kind, pa, prs, va, offp, n_, aa, ars, R_, Dv_, x)
                 return
-            # 2 rows x 8 chunks (128 channels: a whole row of D = 128 per pass), or x 4, or x 1
-            pv_row_blocks(b, R_, Dv_, ((128, 8), (64, 4), 1), lambda NR, DG, r0: _pv_passes(
-                b, kind, NR, DG, r0, pa, prs, va, offp, n_, aa, ars, R_, Dv_, x, 16, 2))
+            _pv_wide(b, kind, pa, prs, va, offp, n_, aa, ars, R_, Dv_, x)
         switch(b, kd, _kinds(), emit, KIND_BF16)
 
     def codegen(context, builder, signature, args):

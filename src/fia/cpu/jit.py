@@ -94,7 +94,7 @@ def _generic_items(fn, sig) -> bool:
 register(KernelSet("decode", "fia.backends.decode.kernels",
                    ("kernel_flags", "split_work", "fill_factors", "attend_items", "merge", "attend_merge"),
                    "fia.kernel_warmup:run_decode"))
-# float32 / int4 K or V, MLA rope, head dims not multiples of 16: attend_items' second build (about half the
+# int4 K or V, MLA rope, head dims not multiples of 16: attend_items' second build (about half the
 # decode build's compile time), needed by few calls
 register(KernelSet("decode-generic", "fia.backends.decode.kernels", ("attend_items",),
                    "fia.kernel_warmup:run_decode_generic", _generic_items))

@@ -41,7 +41,7 @@ from ..base import PRIORITY_DECODE, PRIORITY_PREFILL, Backend, BackendResult
 from ..reference import ReferenceBackend
 from . import loader, plan as decode_plan
 from .execute import execute
-from .inputs import FUSED_KIND, KINDS, Inputs, inner_contiguous
+from .inputs import KINDS, Inputs, inner_contiguous, ir_covers
 from .loader import numba_available
 from .plan import Launch, Plan, plan_of
 from .replay import Replay, prepare
@@ -100,8 +100,8 @@ class DecodeBackend(Backend):
         kv = p.kv
         k, v = (kv.keys[0], kv.values[0]) if kv.kind == "list" else (kv.key, kv.value)
         rope = getattr(kv, "key_rope", None) is not None or getattr(kv, "key_ropes", None) is not None
-        fused = (FUSED_KIND.get(KINDS.get(k.dtype)) and FUSED_KIND.get(KINDS.get(v.dtype)) and not rope
-                 and k.shape[-1] % 16 == 0 and v.shape[-1] % 16 == 0)
+        K = loader.kernels()
+        fused = ir_covers(k.dtype, v.dtype, k.shape[-1], v.shape[-1], rope, bool(K.DP_FLAGS & K.DP_F32))
         return _KERNEL_SETS if fused else _KERNEL_SETS_GENERIC
 
     def describe(self, p: AttentionProblem) -> Optional[str]:
@@ -153,7 +153,7 @@ def _kernel_names(K, launch: Launch) -> str:
     """The kernels of one launch in words (K.kernel_flags decides them; fia.explain shows this)."""
     f = int(K.kernel_flags(launch.ip))
 
-    def one(step, dp, i8, fma, amx, eo):
+    def one(step, dp, i8, fma, amx, eo, kind):
         if f & amx:
             return f"{step} bf16 AMX tiles (16-key blocks; the rest AVX512-BF16)"
         if f & dp:
@@ -161,10 +161,11 @@ def _kernel_names(K, launch: Launch) -> str:
         if f & i8:
             return f"{step} int16 x int8 dot products ({K.I8_DOT})"
         if f & fma:
-            return f"{step} float32 FMA" + (" (bf16 in even / odd halves)" if f & eo else "")
+            return f"{step} float32 FMA" + (" (bf16 in even / odd halves)" if f & eo else
+                                            " on float32 rows" if launch.ip[kind] == K.KIND_F32 else "")
         return f"{step} generic float32 loops"
-    parts = [one("QK", K.KF_DP_QK, K.KF_I8_QK, K.KF_FMA_QK, K.KF_AMX_QK, K.KF_EO_QK),
-             one("PV", K.KF_DP_PV, K.KF_I8_PV, K.KF_FMA_PV, K.KF_AMX_PV, K.KF_EO_PV)]
+    parts = [one("QK", K.KF_DP_QK, K.KF_I8_QK, K.KF_FMA_QK, K.KF_AMX_QK, K.KF_EO_QK, K.IP_K_KIND),
+             one("PV", K.KF_DP_PV, K.KF_I8_PV, K.KF_FMA_PV, K.KF_AMX_PV, K.KF_EO_PV, K.IP_V_KIND)]
     ir = f & (K.KF_DP_QK | K.KF_I8_QK | K.KF_FMA_QK)        # (the generic loops never prefetch)
     if f & K.KF_PREFETCH and ir:
         how = ["nta" if f & K.KF_NTA else "t1"] + ([] if f & K.KF_PV_K else ["V rows only"])
@@ -181,7 +182,7 @@ def _kernel_names(K, launch: Launch) -> str:
     hb = int(launch.ip[K.IP_HB])
     if hb > 1:
         parts.append(f"{hb} KV heads per item" + (", each chunk's rows read front to back first"
-                                                  if launch.ip[K.IP_DP] & K.DP_TOUCH else ""))
+                                                  if f & K.KF_TOUCH else ""))
     return ", ".join(parts)
 
 

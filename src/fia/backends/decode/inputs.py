@@ -67,6 +67,15 @@ KIND_BYTES = {0: 4.0, 1: 2.0, 2: 2.0, 3: 1.0, 4: 0.5, 6: 0.5}   # bytes per valu
 FUSED_KIND = {1: True, 2: True, 3: True}                  # bf16, fp16, int8: fused QK / PV kernels
 
 
+def ir_covers(k_dtype, v_dtype, dk: int, dv: int, rope: bool, f32: bool) -> bool:
+    """Whether the IR kernels take K / V of these dtypes and head dims (no rope): bf16 / fp16 / int8, and float32
+    with f32 (kernels.DP_F32 in the launch's flags), head dims multiples of 16; else the generic loops run."""
+    def ok(dt):
+        kind = KINDS.get(dt)
+        return FUSED_KIND.get(kind, False) or (f32 and kind == 0)
+    return ok(k_dtype) and ok(v_dtype) and not rope and dk % 16 == 0 and dv % 16 == 0
+
+
 def kind_of(t: torch.Tensor) -> int:
     return KINDS[t.dtype]
 
@@ -298,11 +307,11 @@ class Source:
         (0, 0) for a cache whose rows are one run."""
         return (t.stride(3), t.shape[4]) if t is not None and t.dim() == 5 else (0, 0)
 
-    def generic(self):
-        """None when the IR kernels cover this source (bf16 / fp16 / int8 K and V, head dims multiples of
-        16, no rope): the kernel build without the generic paths (see attend_items); else a marker array."""
-        fused = (FUSED_KIND.get(kind_of(self.key)) and FUSED_KIND.get(kind_of(self.value)) and self.rope is None
-                 and self.key.shape[-1] % 16 == 0 and self.value.shape[-1] % 16 == 0)
+    def generic(self, f32: bool = True):
+        """None when the IR kernels cover this source (ir_covers; f32: float32 K / V too): the kernel build
+        without the generic paths (see attend_items); else a marker array."""
+        fused = ir_covers(self.key.dtype, self.value.dtype, self.key.shape[-1], self.value.shape[-1],
+                          self.rope is not None, f32)
         return None if fused else _dummy(np.uint8)
 
     def entries(self, work, wrange):

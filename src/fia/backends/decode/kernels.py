@@ -7,10 +7,10 @@ first, SPEC 10.4) is unpacked per row. Nothing is converted or copied ahead of t
 
 Which inner loops run QK and PV (chosen per item, see `_items`):
 * bf16 K / V on CPUs with AVX512-BF16: cpu.simd.qk_dp / pv_dp (bf16 dot products, LLVM IR);
-* other bf16 / fp16 / int8 K / V with head dims that are multiples of 16: cpu.fma.qk_fma / pv_fma
-  (widened in registers, float32 FMAs, LLVM IR). Both read rows front to back and prefetch the other
-  stream (docs/performance.md, "Micro-kernels in LLVM IR");
-* the rest (float32, int4, MLA rope, other head dims; the "generic" build): the numba loops below, which
+* other bf16 / fp16 / int8 K / V and float32 ones (DP_F32) with head dims that are multiples of 16:
+  cpu.fma.qk_fma / pv_fma (widened in registers, or loaded as they are, float32 FMAs, LLVM IR). Both read rows
+  front to back and prefetch the other stream (docs/performance.md, "Micro-kernels in LLVM IR");
+* the rest (int4, MLA rope, other head dims; the "generic" build): the numba loops below, which
   widen each row into a small float32 chunk buffer (load_rows + qk_block / pv_block) or straight from the
   cache (qk_fused / pv_fused).
 
@@ -111,10 +111,23 @@ if PREFETCH_POLICY not in PREFETCH_POLICIES:     # a typo must not break `import
 # the core although it computes twice as fast in L2: 19.4 vs 30 ns per key and KV head), 8 rows +18 %,
 # 16 rows +60 %.
 AMX_MIN_ROWS = 8
-# FIA_DECODE_TOUCH=0 turns DP_TOUCH off (A / B measurements)
+# DP_F32: float32 K / V (portable mode) run the cpu/fma.py kernels too (a plain load where the other kinds widen);
+# without it the generic loops (load_rows into a float32 chunk, qk_block / pv_block), which never prefetch. Whatever
+# the policy, they prefetch as "t1+ahead" (kernel_flags; only "off" turns it off): a float32 chunk is twice a bf16
+# one (128 KB of K and of V at D = 128), and prefetchnta (into L1) or t0 lines of the other stream are evicted before
+# their use. Kernels alone, 4 rows, D = 128, 128 MB of K / V from DRAM, two threads, one process (AVX-512 host): t1
+# 10.6 GB/s, nta 5.3, nta + ahead 5.6, no prefetch 7.6; PV requesting nothing 0.88-0.93x of t1 (also on the 8-lane
+# AVX2 kernels). Whole calls, B = 4, 32 / 8 heads of 128, 4096 keys, emulated Zen 3 (8 lanes): t1 + ahead 1.20x t1.
+# Their items of several KV heads (IP_HB) run no touch pass (DP_TOUCH): it reads a float32 chunk (2 MB of K and V
+# at 8 heads of 128) with nothing to overlap; the heads' kernels request their own rows as for one head (BSND,
+# B = 4, 32 / 8 heads of 128, 4096 keys, without the pass: 1.08-1.11x faster on the AVX-512 host, 1.02-1.04x
+# emulating Zen 3).
+DP_F32 = 2048
+# FIA_DECODE_TOUCH=0 turns DP_TOUCH off, FIA_DECODE_F32=0 DP_F32 (A / B measurements)
 DP_FLAGS = ((DP_QK | DP_PV if HAS_DP else 0) | (DP_I8 if HAS_VNNI else 0) | (DP_AMX if HAS_AMX else 0)
             | (DP_EO if NARROW else 0) | PREFETCH_POLICIES[PREFETCH_POLICY]
-            | (0 if os.environ.get("FIA_DECODE_TOUCH", "1") == "0" else DP_TOUCH))
+            | (0 if os.environ.get("FIA_DECODE_TOUCH", "1") == "0" else DP_TOUCH)
+            | (0 if os.environ.get("FIA_DECODE_F32", "1") == "0" else DP_F32))
 AHEAD_BYTES = 8192              # 32 rows of bf16 / fp16 at D = 128, 63 of int8
 
 # fastmath without nnan / ninf: NaN and Inf in the inputs must propagate (SPEC 14)
@@ -1081,15 +1094,15 @@ def _i8_tokens_ok(qerr, tsk, n):
 
 # what kernel_flags reports (bits)
 (KF_DP_QK, KF_DP_PV, KF_I8_QK, KF_I8_PV, KF_FMA_QK, KF_FMA_PV, KF_PREFETCH, KF_NTA, KF_AHEAD_K, KF_AHEAD_V,
- KF_AMX_QK, KF_AMX_PV, KF_EO_QK, KF_EO_PV, KF_PV_K) = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096,
-                                                       8192, 16384)
+ KF_AMX_QK, KF_AMX_PV, KF_EO_QK, KF_EO_PV, KF_PV_K, KF_TOUCH) = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048,
+                                                                4096, 8192, 16384, 32768)
 
 
 @njit(cache=True, inline="always")
 def kernel_flags(ip):
     """The kernels a launch's items run (KF_* bits), from its int parameters alone: the one place that
     decides (the items read it, and fia.explain names the kernels from it). QK / PV neither dp, VNNI nor
-    FMA: the generic float32 loops (float32 / int4 / rope K or V, head dims not multiples of 16)."""
+    FMA: the generic float32 loops (int4 / rope K or V, head dims not multiples of 16, float32 without DP_F32)."""
     D = ip[IP_D]
     Dr = ip[IP_DR]
     Dv = ip[IP_DV]
@@ -1122,12 +1135,15 @@ def kernel_flags(ip):
         f |= KF_I8_QK
     if i8 and v_kind == KIND_I8 and Dv % 64 == 0:
         f |= KF_I8_PV
-    # float32 FMA kernels (cpu/fma.py) for the other bf16 / fp16 / int8 cases; the build without the generic
-    # paths only runs those (backend.py sends head dims that are not multiples of 16 to the generic build)
+    # float32 FMA kernels (cpu/fma.py) for the other bf16 / fp16 / int8 cases and float32 K / V (DP_F32); the build
+    # without the generic paths only runs those (backend.py sends head dims that are not multiples of 16 to the
+    # generic build)
+    f32 = (ip[IP_DP] & DP_F32) != 0
     if ((f & KF_DP_QK) == 0 and Dr == 0 and D % 16 == 0
-            and (k_kind == KIND_BF16 or k_kind == KIND_FP16 or k_kind == KIND_I8)):
+            and (k_kind == KIND_BF16 or k_kind == KIND_FP16 or k_kind == KIND_I8 or (f32 and k_kind == KIND_F32))):
         f |= KF_FMA_QK
-    if (f & KF_DP_PV) == 0 and Dv % 16 == 0 and (v_kind == KIND_BF16 or v_kind == KIND_FP16 or v_kind == KIND_I8):
+    if ((f & KF_DP_PV) == 0 and Dv % 16 == 0
+            and (v_kind == KIND_BF16 or v_kind == KIND_FP16 or v_kind == KIND_I8 or (f32 and v_kind == KIND_F32))):
         f |= KF_FMA_PV
     # ... bf16 ones widened in even / odd halves on 8 lanes (DP_EO)
     eo = NARROW and (ip[IP_DP] & DP_EO) != 0
@@ -1137,14 +1153,21 @@ def kernel_flags(ip):
         f |= KF_EO_PV
     if (ip[IP_DP] & DP_PREFETCH) != 0:             # prefetch the other stream inside the IR kernels
         f |= KF_PREFETCH
-        if (ip[IP_DP] & DP_NTA) != 0:              # with prefetchnta (see DP_NTA)
+        # float32 K or V: "t1+ahead" whatever the policy (see DP_F32)
+        wide = k_kind == KIND_F32 or v_kind == KIND_F32
+        if (ip[IP_DP] & DP_NTA) != 0 and not wide:     # with prefetchnta (see DP_NTA)
             f |= KF_NTA
-        if (ip[IP_DP] & DP_NO_PV_K) == 0:          # PV requests the next chunk's K rows (see DP_NO_PV_K)
+        if (ip[IP_DP] & DP_NO_PV_K) == 0 or wide:      # PV requests the next chunk's K rows (see DP_NO_PV_K)
             f |= KF_PV_K
-        if (ip[IP_DP] & DP_AHEAD) != 0:            # own rows ahead (see DP_AHEAD): QK, PV except int8 V
+        if (ip[IP_DP] & DP_AHEAD) != 0 or wide:        # own rows ahead (see DP_AHEAD): QK, PV except int8 V
             f |= KF_AHEAD_K
             if v_kind != KIND_I8:
                 f |= KF_AHEAD_V
+    # items of several KV heads read each chunk's rows front to back first (DP_TOUCH), but not float32 ones in the
+    # IR kernels (see DP_F32)
+    if ((ip[IP_DP] & DP_TOUCH) != 0 and ip[IP_HB] > 1
+            and not (k_kind == KIND_F32 and v_kind == KIND_F32 and (f & KF_FMA_QK) != 0 and (f & KF_FMA_PV) != 0)):
+        f |= KF_TOUCH
     return f
 
 
@@ -1166,7 +1189,6 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
     H = ip[IP_H]
     HB = ip[IP_HB]
     NG = H // HB
-    touch = HB > 1 and (ip[IP_DP] & DP_TOUCH) != 0
     # views, constants and flags of the launch, made once (each array view is an allocation and reference counts)
     q8, q16, q32, qfl = views(qbuf)
     kf_ = kernel_flags(ip)
@@ -1197,6 +1219,7 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
     fma_pv = (kf_ & KF_FMA_PV) != 0
     eo_qk = (kf_ & KF_EO_QK) != 0
     eo_pv = (kf_ & KF_EO_PV) != 0
+    touch = (kf_ & KF_TOUCH) != 0
     # NZ sources: each chunk's rows are packed into kscr / vscr / rscr (nz_pack) and read there; the other stream's
     # prefetch rows are the chunk's fragment runs (nz_lines), the kernels' own rows ahead are off (in scratch)
     k_fs = ip[IP_K_FS]

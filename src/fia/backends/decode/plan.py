@@ -224,7 +224,8 @@ def _launch_plan(src: Source, ip: list, K, work: np.ndarray, w0: int, w1: int, H
     key_bytes = _key_bytes(K, ip)
     ip[K.IP_DP] = _dp_flags(K, key_bytes, keys, H, pv)
     items, t = _schedule(work, H, R, threads, keys, ip[K.IP_HB])
-    return Launch(np.array(ip, np.int64), work, w0, w1, items, t, src.generic(), key_bytes)
+    return Launch(np.array(ip, np.int64), work, w0, w1, items, t, src.generic(bool(ip[K.IP_DP] & K.DP_F32)),
+                  key_bytes)
 
 
 def _key_bytes(K, ip) -> float:
