@@ -22,13 +22,24 @@ onto FIA's arguments (SPEC 2, 4, 5) without materializing what FIA expresses nat
 
 Options FIA cannot express raise ``FiaTransformersUnsupported`` naming the option (never a silently wrong result):
 attention logit soft-capping (``softcap``), dropout > 0, ``output_attentions``, ``position_bias``, per-head masks,
-additive float masks that are not 0 / -inf, a value head dim above the query / key one.
+additive float masks that are not 0 / -inf, attention sinks not shaped one per query head, two head dims on the
+block-table decode path of continuous batching.
 
-Attention sinks (gpt-oss passes ``s_aux``, one logit per query head) are FIA's learnable sinks, passed through
-``npu_fused_infer_attention_score_v2`` (the entry point that has them; a left-padded mask goes as a general mask
-there, _v2 has no padding sizes). A value head dim below the query / key one (DeepSeek-V3's MLA: nope 128 + rope 64
-vs value 128) is FIA's MLA form: query / key split into [..., :Dv] and the rope part (``query_rope`` /
-``key_rope``), run in portable mode (the NPU's MLA shapes are D 512 + rope 64).
+Model families (tested with small random-weight configs against eager; what some need beyond a plain call is in
+models.py): Llama, Qwen2, Qwen3 (its q / k norms run in the module), Mistral (sliding window: band mode 4),
+Gemma2 / Gemma3 (sliding / full layers; ``scaling`` from query_pre_attn_scalar; Gemma3's attention receives no
+``softcap`` -- transformers passes none, its eager included -- and a ``softcap`` that arrives is refused), gpt-oss,
+DeepSeek-V3:
+
+- attention sinks (gpt-oss passes ``s_aux``, one logit per query head, concatenated to the logits before the
+  softmax and dropped after it) are FIA's ``learnable_sink`` (SPEC 1.1b, the same formula), passed through
+  ``npu_fused_infer_attention_score_v2`` (the entry point that has them); _v2 has no padding sizes, so a
+  left-padded mask goes in as a general mask there, while unpadded sliding / full layers keep modes 4 / 3; the
+  packed and block-table paths of continuous batching pass the sinks too;
+- a value head dim Dv different from the query / key one D (DeepSeek-V3's MLA: nope 128 + rope 64 vs value 128),
+  DECISIONS 48: a call in portable mode anyway (float32) splits query / key at Dv into FIA's ``query_rope`` /
+  ``key_rope`` (no copy); a strict-mode call (bf16 / fp16) zero-pads the value to D (the NPU's BNSD rules accept
+  D = 192) and the output is cut back to Dv -- both exact. Dv above D: query / key zero-padded to Dv.
 
 float32 models: float32 is not an NPU dtype, so FIA's strict validation (SPEC 1.4) would refuse it; the integration
 runs float32 calls under ``fia.validation_mode("portable")``. float16 / bfloat16 calls run in the caller's mode
@@ -66,7 +77,7 @@ except ImportError as e:                                          # pragma: no c
                       f"{SUPPORTED_TRANSFORMERS}: pip install 'fia[transformers]'") from e
 check_version(_transformers.__version__)
 
-from . import attention, batching, cache, masks  # noqa: E402  (after the version check)
+from . import attention, batching, cache, masks, models  # noqa: E402  (after the version check)
 from .attention import fia_attention_forward  # noqa: E402
 from .cache import FiaCache  # noqa: E402
 from .common import NAME, REGISTERED, FiaTransformersUnsupported  # noqa: E402
@@ -89,4 +100,4 @@ def register(name: str = NAME) -> str:
 register()
 
 __all__ = ["FiaCache", "FiaTransformersUnsupported", "NAME", "SUPPORTED_TRANSFORMERS", "attention", "batching", "cache",
-           "check_version", "fia_attention_forward", "masks", "register"]
+           "check_version", "fia_attention_forward", "masks", "models", "register"]

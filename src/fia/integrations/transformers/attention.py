@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from . import batching
+from . import batching, models
 from .cache import layer_of
-from .common import call_fia, call_fia_v2, template, unsupported
-from .masks import general_plan, mask_plan
+from .common import template, unsupported
+from .masks import mask_plan
 
 
 def fia_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -38,6 +38,8 @@ def fia_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
             kw["sparse_mode"] = 3                                  # right-down: the new tokens end the window
     else:
         kw = dict(mask_plan(attention_mask, q_len, kv_len, bool(causal), sliding_window))
+    if kwargs.get("s_aux") is not None:                            # gpt-oss: FIA's learnable sinks (SPEC 1.1b)
+        kw = models.sink_plan(kwargs["s_aux"], n, query.dtype, kw, attention_mask, q_len, kv_len)
     if kw.get("sparse_mode") in (3, 4):
         kw["atten_mask"] = template(query.device)
     if key.dtype == torch.int8:                                    # an int8 FiaCache's decode step
@@ -46,25 +48,12 @@ def fia_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
         kw.update(key_antiquant_scale=layer.key_scales, value_antiquant_scale=layer.value_scales,
                   key_antiquant_mode=3, value_antiquant_mode=3)   # per token and KV head, [B, KV_N, capacity]
     layout = "BNSD_BSND" if q_len > 1 else "BNSD"
-    portable = False
     dv = value.shape[-1]
-    if dv != d:                                                    # DeepSeek-V3 (MLA): q / k = [nope | rope]
-        if dv > d or key.dtype == torch.int8:
-            unsupported(f"a value head dim {dv} with query / key head dim {d}", "FIA's rope split needs Dv < D")
-        kw.update(query_rope=query[..., dv:], key_rope=key[..., dv:])      # scores: (nope . nope + rope . rope)
-        query, key = query[..., :dv], key[..., :dv]
-        portable = True                                            # (the NPU's MLA shapes are D 512 + rope 64)
-    sinks = kwargs.get("s_aux")
-    if sinks is not None:                                          # gpt-oss: FIA's learnable sinks (SPEC 1.1b)
-        if "kv_padding_size" in kw:                                # (_v2 has no padding sizes: the mask itself)
-            kw = general_plan(attention_mask, q_len, kv_len)
-        if sinks.dim() != 1 or sinks.shape[0] != n:
-            unsupported(f"attention sinks of shape {tuple(sinks.shape)}", f"FIA takes one per query head ({n})")
-        out, _ = call_fia_v2(query, key, value, num_heads=n, num_key_value_heads=kv_n, input_layout=layout,
-                             scale=scale, learnable_sink=sinks.detach().to(query.dtype), portable=portable, **kw)
-    else:
-        out, _ = call_fia(query, key, value, num_heads=n, num_key_value_heads=kv_n, input_layout=layout,
-                          scale=scale, portable=portable, **kw)
+    query, key, value, portable = models.fit_head_dims(query, key, value, kw)     # DeepSeek-V3: D 192, Dv 128
+    out, _ = models.call(query, key, value, num_heads=n, num_key_value_heads=kv_n, input_layout=layout, scale=scale,
+                         portable=portable, **kw)
+    if out.shape[-1] != dv:
+        out = out[..., :dv]                                        # the zero-padded value channels
     if q_len == 1:
         out = out.transpose(1, 2)                                  # [B, N, 1, D] -> [B, 1, N, D] (no copy)
     return out, None

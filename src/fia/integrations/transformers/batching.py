@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from .common import REGISTERED, call_fia, template, unsupported
+from . import models
+from .common import REGISTERED, template, unsupported
 
 
 def _cu_lengths(cu, module, what: str) -> list:
@@ -39,7 +40,8 @@ def packed_forward(module, query, key, value, scaling, is_causal, sliding_window
         if sliding_window:
             kw["sparse_mode"], kw["pre_tokens"], kw["next_tokens"] = 4, int(sliding_window) - 1, 0
     scale = float(scaling) if scaling is not None else d ** -0.5
-    out, _ = call_fia(q, k, v, num_heads=n, num_key_value_heads=kv_n, input_layout="TND", scale=scale, **kw)
+    kw.update(models.sink_kw(kwargs.get("s_aux"), n, query.dtype))           # gpt-oss
+    out, _ = models.call(q, k, v, num_heads=n, num_key_value_heads=kv_n, input_layout="TND", scale=scale, **kw)
     if t < query.shape[2]:                                         # padded query tokens (static shapes): zeros
         out = torch.cat([out, out.new_zeros(query.shape[2] - t, n, out.shape[-1])])
     return out.unsqueeze(0), None                                  # [1, T, N, Dv]
@@ -54,6 +56,9 @@ def paged_decode_forward(module, query, key, value, scaling, kwargs):
     k_cache, v_cache, table = kwargs["k_cache"], kwargs["v_cache"], kwargs["block_table"]
     n, b, d = query.shape[1], query.shape[2], query.shape[3]
     kv_n, page = key.shape[1], k_cache.shape[1]
+    if v_cache.shape[-1] != k_cache.shape[-1]:
+        unsupported(f"a value head dim {v_cache.shape[-1]} with query / key head dim {k_cache.shape[-1]} on the "
+                    "block-table decode path", "FIA's paged BSH pool needs one head dim (SPEC 2)")
     lengths, slots, offs, table32, live = _decode_step(module, kwargs["cu_seq_lens_k"], table, b, page)
     new_k, new_v = key[0].transpose(0, 1), value[0].transpose(0, 1)              # [B, KV_N, D]
     if live is not None:
@@ -66,7 +71,8 @@ def paged_decode_forward(module, query, key, value, scaling, kwargs):
     kw = dict(num_heads=n, num_key_value_heads=kv_n, input_layout="BSH", block_table=table32,
               block_size=page, actual_seq_lengths_kv=lengths,
               scale=float(scaling) if scaling is not None else d ** -0.5)
-    out, _ = call_fia(q, kp, vp, **kw)
+    kw.update(models.sink_kw(kwargs.get("s_aux"), n, query.dtype))           # gpt-oss
+    out, _ = models.call(q, kp, vp, **kw)
     return out.view(1, b, n, -1), None                                             # [1, T = B, N, Dv]
 
 
