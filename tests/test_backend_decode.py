@@ -228,7 +228,7 @@ def test_dense_gqa(G, dtype, layout):
 def test_head_dims(d, kind, layout):
     """Head dims the IR kernels take (multiples of 16: unrolled and looped) and the ones they leave to the
     numba fused kernels (the generic build), for every fused element kind, with split KV and GQA; BSH: items
-    of all KV heads (decode.kernels.IP_HB), 3 of them."""
+    of all KV heads (decode.kernels.params.IP_HB), 3 of them."""
     g = gen("dims", d, kind, layout)
     b, n, kvn, s = 2, 8, 2, 150
     if layout == "BSH":
@@ -382,7 +382,7 @@ def test_int8_random_combinations(seed, small_splits):
 @pytest.mark.parametrize("order", ["high_first", "low_first"])
 def test_int8_chunks_far_below_the_running_max(order, monkeypatch):
     """Chunks whose scores sit ~100 below the running maximum (pse_shift): their probabilities (~e^-100) are
-    below what the fused int16 quantization takes (decode.kernels.softmax_chunk mode 2), so they go through
+    below what the fused int16 quantization takes (decode.kernels.softmax.softmax_chunk mode 2), so they go through
     quant_i16's float64 path; the chunk that raises the maximum later rescales what came before."""
     monkeypatch.setattr(DEC_PLAN, "CHUNK_FLOATS", 64 * 64)       # 64-key chunks at D = 64
     g = gen("i8far", order)
@@ -494,7 +494,7 @@ def test_paged_in_place(fmt, bs, lens, G, small_splits):
 @pytest.mark.parametrize("case,want", [("BSH", 3), ("BSND", 3), ("BNSD", 1), ("paged-3d", 3), ("paged-4d", 1),
                                        ("wider-row", 3), ("gaps", 1), ("one-head", 1)])
 def test_heads_per_item_follows_the_layout(case, want, small_splits):
-    """An item covers every KV head (decode.kernels.IP_HB; fia.explain says "N KV heads per item") exactly when
+    """An item covers every KV head (decode.kernels.params.IP_HB; fia.explain says "N KV heads per item") exactly when
     a token's rows of all heads lie side by side in key and value: BSH / BSND, the paged [blocks, bs, H] cache,
     a token row wider than the heads (key and value views of one [B, S, 2 H] buffer); head by head otherwise
     (BNSD, paged [blocks, H, bs, D], rows with gaps between the heads, one KV head). Results agree either way."""
@@ -603,7 +603,7 @@ def _scales(kind, which, g, b, kvn, s, d, lens, mode, dtype):
 @pytest.mark.parametrize("G", [1, 4])
 @pytest.mark.parametrize("layout", ["BNSD", "BSH"])
 def test_antiquant_modes(name, int4, km, vm, kind, offsets, G, layout, small_splits):
-    """Every dequantization form; BSH: items of all KV heads (decode.kernels.IP_HB), each head's factors."""
+    """Every dequantization form; BSH: items of all KV heads (decode.kernels.params.IP_HB), each head's factors."""
     g = gen("aq", name, G) if layout == "BNSD" else gen("aq", name, G, layout)
     b, kvn, s, d = 2, 2 if layout == "BNSD" else 3, 70, 64
     n = G * kvn
@@ -696,7 +696,7 @@ def test_decode_masks(shape, mdt):
 @pytest.mark.parametrize("layout", ["BNSD", "BSH"])
 def test_multi_token_masks(sparse, pre, nxt, ip, layout, small_splits):
     """Q_S in 2..16: band geometry (window-local), user masks (physical), dead rows and row-invalid
-    correction (inner_precise bit 1), query lengths; BSH: items of both KV heads (decode.kernels.IP_HB)."""
+    correction (inner_precise bit 1), query lengths; BSH: items of both KV heads (decode.kernels.params.IP_HB)."""
     g = gen("mt", sparse, pre, nxt, ip) if layout == "BNSD" else gen("mt", sparse, pre, nxt, ip, layout)
     b, n, kvn, sq, s, d = 3, 4, 2, 7, 50, 64
     act_q, lens = [7, 3, 5], [50, 20, 4]
@@ -765,7 +765,7 @@ def test_left_padding(sq, with_mask, small_splits):
 def test_shared_prefix(plen, b, G, extra, layout, small_splits):
     """Prefix keys first (read once per group of batches), then each batch's own keys; masks and pse
     count prefix columns first. b=12, G=8: more rows than one prefix group holds. BSND: items of both KV
-    heads, own keys and prefix (decode.kernels.IP_HB)."""
+    heads, own keys and prefix (decode.kernels.params.IP_HB)."""
     g = gen("prefix", plen, b, G, extra) if layout == "BNSD" else gen("prefix", plen, b, G, extra, layout)
     kvn, s, ps, d = 2, 24, 9, 64
     n = G * kvn
@@ -801,7 +801,7 @@ def test_shared_prefix(plen, b, G, extra, layout, small_splits):
 
 @pytest.mark.parametrize("layout", ["BNSD", "BSH"])
 def test_tensor_list(layout, small_splits):
-    """One K / V tensor per batch; BSH: items of both KV heads (decode.kernels.IP_HB) in each source."""
+    """One K / V tensor per batch; BSH: items of both KV heads (decode.kernels.params.IP_HB) in each source."""
     g = gen("list") if layout == "BNSD" else gen("list", layout)
     b, n, kvn, d = 3, 8, 2, 32
     lens = [17, 40, 3]
@@ -942,7 +942,7 @@ def test_float32_kv(d, G, sq, layout, short_chunks):
     """float32 query, K and V (portable mode): the cpu/fma.py kernels on float32 rows where the head dim is a
     multiple of 16 (kernels.DP_F32; the suite's DP_FLAGS variants without it and d = 40 run the generic loops),
     with lengths (one batch without keys), GQA, Q_S 1-4 with a user mask (a fully masked row) and query lengths,
-    the lse, items of several chunks; BSND / BSH: items of both KV heads (decode.kernels.IP_HB), without the touch
+    the lse, items of several chunks; BSND / BSH: items of both KV heads (decode.kernels.params.IP_HB), without the touch
     pass for float32 rows (DP_F32)."""
     g = gen("f32kv", d, G, sq, layout)
     b, kvn, s = 3, 2, 300

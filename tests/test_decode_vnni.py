@@ -1,5 +1,5 @@
 """The int8 K / V micro-kernels of the decode backend (cpu.vnni.qk_i8 / pv_i8) and their helpers
-(cpu.simd.max_f32, decode.kernels.quant_i16) against float64 / numpy.
+(cpu.simd.max_f32, decode.kernels.softmax.quant_i16) against float64 / numpy.
 
 Both widths (16 lanes for AVX-512; 8 lanes, cpu.fma.NARROW, for CPUs without it) are checked on every CPU,
 each with the native instruction (AVX512-VNNI vpdpwssd / AVX2 vpmaddwd, where the CPU has it) and the int32

@@ -139,7 +139,7 @@ def _kernel_line(q, k, v, **kw):
 
 
 def test_explain_names_the_decode_kernels(monkeypatch):
-    """The decode backend's report line names the kernels its items pick (decode.kernels.kernel_flags) on
+    """The decode backend's report line names the kernels its items pick (decode.kernels.params.kernel_flags) on
     this CPU and under the kernel switches (DP_FLAGS), the generic loops for head dims they do not take (and float32
     K / V without DP_F32)."""
     pytest.importorskip("numba")

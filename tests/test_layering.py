@@ -21,9 +21,8 @@ LAYERS = [
     ("fia.cpu",),
     ("fia.backends",),
     ("fia.finalize", "fia.merge", "fia.outvariants", "fia.replay", "fia.eager"),
-    ("fia.graph", "fia.api", "fia.aclnn", "fia.dispatch_report", "fia.kernel_warmup", "fia.torch_npu",
-     "fia.__main__", "fia"),
-    ("fia.bench", "fia.integrations", "fia.distributed"),
+    ("fia.graph", "fia.api", "fia.aclnn", "fia.dispatch_report", "fia.kernel_warmup", "fia.__main__", "fia"),
+    ("fia.bench", "fia.integrations", "fia.distributed", "fia.torch_npu"),
 ]
 
 
@@ -110,8 +109,33 @@ def test_no_import_circle():
     assert not circles, "\n".join(circles)
 
 
+def test_no_import_runs_back_up_to_the_package():
+    """Only the layers above the package's own namespace (tools, integrations, aliases of it) import `fia` itself;
+    the modules it is made of import the module they need."""
+    bad = sorted(m for m, ts in GRAPH.items() if "fia" in ts and _layer(m) <= _layer("fia"))
+    assert not bad, bad
+
+
+BACKENDS = ("decode", "prefill", "torchops")
+
+
+def test_backends_import_no_other_backend():
+    """A backend imports nothing of another backend (what two of them share lives in fia.cpu, fia.problem or the
+    reference); the registry is the one module that knows them all."""
+    bad = []
+    for m, ts in GRAPH.items():
+        parts = m.split(".")
+        if len(parts) > 2 and parts[1] == "backends" and parts[2] in BACKENDS:
+            bad += [f"{m} -> {t}" for t in ts
+                    if t.split(".")[:2] == ["fia", "backends"] and len(t.split(".")) > 2
+                    and t.split(".")[2] in BACKENDS and t.split(".")[2] != parts[2]]
+    assert not bad, "\n".join(bad)
+
+
 def test_the_checks_see_imports():
     """The graph is not empty by accident: known edges are found."""
     assert "fia.parse.core" in GRAPH["fia.eager"] or "fia.parse" in GRAPH["fia.eager"]
     assert "fia.backends.registry" in GRAPH["fia.eager"]
     assert "fia.problem.attention" in GRAPH["fia.backends.base"]
+    assert "fia.cpu.numerics" in GRAPH["fia.backends.prefill.kernels"]
+    assert "fia.backends.decode.kernels.params" in GRAPH["fia.backends.decode.kernels.items"]

@@ -19,6 +19,9 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from .api import npu_fused_infer_attention_score as _fia
+from .config import use_backend, validation_mode
+
 
 def _kernel_flags() -> None:
     """kernels.kernel_flags as fia.explain calls it (explain names the kernels only once the set is built, so its
@@ -29,7 +32,7 @@ def _kernel_flags() -> None:
 
 
 def _decode_calls(generic: bool = False) -> List[Callable[[], object]]:
-    import fia
+    from .dispatch_report import explain
     g = torch.Generator().manual_seed(0)
 
     def rn(*shape, dtype=torch.bfloat16):
@@ -49,13 +52,13 @@ def _decode_calls(generic: bool = False) -> List[Callable[[], object]]:
     tok = dict(dense, key_antiquant_scale=rn(B, 256, dtype=torch.float32).abs() * 0.01,
                value_antiquant_scale=rn(B, 256, dtype=torch.float32).abs() * 0.01, key_antiquant_mode=1,
                value_antiquant_mode=1)
-    f = fia.npu_fused_infer_attention_score
+    f = _fia
     calls = []
     for _ in range(3):                                                        # full path, then the replay launch
         calls.append(lambda: f(q, k, v, **dense))
     for n in (700, 701, 702):                                                 # a decode loop: the lengths replay
         calls.append(lambda n=n: f(q, k, v, actual_seq_lengths_kv=[n, 2 * n], **dense))
-    calls.append(lambda: fia.explain(q, k, v, **dense))
+    calls.append(lambda: explain(q, k, v, **dense))
     calls.append(_kernel_flags)                                               # the kernel names (fia.explain)
     calls.append(lambda: f(qf, k8, v8, **chan))                               # int8 factors
     calls.append(lambda: f(qf, k8, v8, **tok))                                # per-token factors
@@ -71,11 +74,10 @@ def _decode_calls(generic: bool = False) -> List[Callable[[], object]]:
 
 def run_decode(generic: bool = False) -> None:
     """Compile the decode backend's kernels (dense, lengths and paged replays, int8 factors, shared prefix)."""
-    import fia
     before = torch.get_num_threads()
     torch.set_num_threads(max(2, before))                 # splits and their merge need two threads
     try:
-        with fia.use_backend("decode"), fia.validation_mode("portable"):
+        with use_backend("decode"), validation_mode("portable"):
             for c in _decode_calls(generic):
                 c()
     finally:
@@ -89,7 +91,6 @@ def run_decode_generic() -> None:
 
 
 def _prefill_calls(dtypes, pse: bool) -> List[Callable[[], object]]:
-    import fia
     g = torch.Generator().manual_seed(1)
     calls = []
     for dt in dtypes:
@@ -100,16 +101,15 @@ def _prefill_calls(dtypes, pse: bool) -> List[Callable[[], object]]:
             kw["pse_shift"] = torch.randn(1, 4, 256, 256, generator=g).to(dt)
         else:
             kw.update(sparse_mode=3, atten_mask=torch.triu(torch.ones(2048, 2048, dtype=torch.bool), 1))
-        calls.append(lambda q=q, k=k, v=v, kw=kw: fia.npu_fused_infer_attention_score(q, k, v, **kw))
+        calls.append(lambda q=q, k=k, v=v, kw=kw: _fia(q, k, v, **kw))
     return calls
 
 
 def run_prefill() -> None:
     """Compile FIA's own prefill flash kernel for the dtypes it serves on this CPU."""
-    import fia
     from .backends.prefill import flash as prefill_flash
     dts = [dt for dt, on in prefill_flash.ENABLED_FOR.items() if on()]
-    with fia.use_backend("prefill"), fia.validation_mode("portable"):
+    with use_backend("prefill"), validation_mode("portable"):
         for c in _prefill_calls(dts, pse=False):
             c()
 
@@ -117,13 +117,12 @@ def run_prefill() -> None:
 def run_prefill_pse() -> None:
     """Compile the position-bias statistics pass of the prefill backend (which large windows use: the
     threshold is lowered for the small warm-up call)."""
-    import fia
     from .backends import registry
     be = registry.by_name("prefill")
     before = be.pse_skip_min
     be.pse_skip_min = 0
     try:
-        with fia.use_backend("prefill"):
+        with use_backend("prefill"):
             for c in _prefill_calls([torch.bfloat16], pse=True):
                 c()
     finally:

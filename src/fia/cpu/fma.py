@@ -4,7 +4,7 @@ The counterpart of simd.py for what `vdpbf16ps` cannot take: fp16 values (no fp1
 the CPUs measured), int8 values (widened: exact), bf16 on CPUs without AVX512-BF16, and float32 K / V (portable
 mode), which are loaded as they are. Every other element is widened to float32 in registers (fp16: `vcvtph2ps`;
 int8: sign extension + convert; bf16: shift) and multiplied with float32 FMAs; nothing is rounded that the float32
-fused kernels did not round. What they add over decode.kernels.qk_fused / pv_fused is the memory side
+fused kernels did not round. What they add over decode.kernels.generic.qk_fused / pv_fused is the memory side
 (docs/performance.md, "Micro-kernels in LLVM IR"): every K / V row is read front to back (interleaved rows halve
 what the prefetchers stream), the other stream is prefetched on the way (simd.prefetch_rows), and the accumulators
 stay in registers.
@@ -37,7 +37,7 @@ NARROW = not target_has("avx512f")
 # ops per 16 values; the zero-extending widening took 2 loads + 2 shuffles + 2 shifts, and on Zen 3 its
 # shuffles share a pipe with the FMAs). The caller pairs them: QK with the query de-interleaved the same way
 # once per item, PV with accumulators whose 16-channel groups hold the even channels, then the odd ones
-# (decode.kernels._items puts them back). Exact: the same products, only summed in another order.
+# (decode.kernels.items._items puts them back). Exact: the same products, only summed in another order.
 KIND_BF16_EO = 5
 # Keys per QK block of NR query rows (qk_narrow; 8 // NR where not listed). Elements widened one chunk at a time
 # (fp16 `vcvtph2ps`, int8; float32 loaded as is) take 4 rows x 3 keys (12 accumulators, 15 of the 16 registers,
@@ -62,7 +62,7 @@ def _vec(ty, lanes):
 
 def _half_bits_to_f32(b, h):
     """IEEE half bits <n x i16> -> <n x float> by integer arithmetic (targets without F16C, where LLVM
-    would call a runtime helper numba does not link); exact, as decode.kernels._fp16_bits_to_f32."""
+    would call a runtime helper numba does not link); exact, as cpu.numerics._fp16_bits_to_f32."""
     n = h.type.count
     vi, vf = _vec(I32, n), _vec(F32, n)
 

@@ -1,6 +1,6 @@
 """FP4 E2M1 -> bf16 decoding of one 32-value group, vectorized (the mode-6 K / V of SPEC 10b.1).
 
-Why: the decode kernels read FP4 K / V a chunk at a time as exact bf16 rows (decode.kernels.fp4_rows) and run
+Why: the decode kernels read FP4 K / V a chunk at a time as exact bf16 rows (decode.kernels.rows.fp4_rows) and run
 the bf16 kernels on them; decoding nibble by nibble in scalar code cost more than the FMA kernels themselves
 (FP4 slower than bf16 although it reads a quarter of the bytes). Here 16 bytes become 32 bf16 with integer vector
 ops: a code's float32 bits computed from its bits, times the group's E8M0 scale (a power of

@@ -1,11 +1,13 @@
 """Numba's on-disk kernel cache, made to follow every source a kernel module compiles in.
 
 Numba (`cache=True`) keys a cached function on the stamp of the file that defines it and nothing else: the
-decode kernels' machine code also holds the LLVM IR that cpu/simd.py, fma.py, vnni.py and amx.py emit, and the
-prefill kernels' holds the decode kernels' functions and cpu/gemm.py's IR. An edit to one of those files alone
+decode kernels' machine code also holds the functions of the other stage modules of their package, cpu/numerics.py
+and the LLVM IR that cpu/simd.py, fma.py, vnni.py and amx.py emit, and the prefill kernels' holds cpu/numerics.py's
+functions and cpu/gemm.py's IR. An edit to one of those files alone
 -- or an upgrade of FIA that changes only them, with the old `__pycache__` left in place -- would load stale
 kernels. `install()` (called by each kernel module before it defines its functions) puts a cache locator in
-front of Numba's own: for a kernel module listed in DEPENDENCIES it keeps Numba's folder choice (NUMBA_CACHE_DIR,
+front of Numba's own: for a kernel module listed in DEPENDENCIES (or a module of a kernel package listed there,
+"folder/": every module of the folder counts as a dependency) it keeps Numba's folder choice (NUMBA_CACHE_DIR,
 `__pycache__`, the user-wide fallback for a read-only tree) and adds the hash of the dependencies' bytes to the
 source stamp, so a cached index written for other sources reads as stale and the kernels are rebuilt.
 """
@@ -19,13 +21,20 @@ from typing import Optional
 
 PACKAGE = Path(__file__).resolve().parent.parent          # src/fia
 
-# kernel module (path in the package) -> the files whose code its compiled functions embed
+# kernel module or package ("folder/", path in the package) -> the files whose code its compiled functions embed
 DEPENDENCIES = {
-    "backends/decode/kernels.py": ("cpu/simd.py", "cpu/fma.py", "cpu/vnni.py", "cpu/amx.py", "cpu/fp4.py"),
-    "backends/prefill/kernels.py": ("backends/decode/kernels.py", "cpu/simd.py", "cpu/fma.py", "cpu/vnni.py",
-                                    "cpu/amx.py", "cpu/gemm.py", "cpu/gemm_narrow.py", "cpu/fp4.py"),
+    "backends/decode/kernels/": ("cpu/numerics.py", "cpu/simd.py", "cpu/fma.py", "cpu/vnni.py", "cpu/amx.py",
+                                 "cpu/fp4.py"),
+    "backends/prefill/kernels.py": ("cpu/numerics.py", "cpu/simd.py", "cpu/fma.py", "cpu/vnni.py", "cpu/amx.py",
+                                    "cpu/gemm.py", "cpu/gemm_narrow.py", "cpu/fp4.py"),
     "backends/prefill/pse_kernels.py": (),
 }
+
+
+def _files(module: str, root: Path) -> list:
+    """A DEPENDENCIES key's dependencies: for a package, its own modules first (sorted)."""
+    own = sorted(p.relative_to(root).as_posix() for p in (root / module).glob("*.py")) if module.endswith("/") else []
+    return own + list(DEPENDENCIES[module])
 
 
 @functools.lru_cache(maxsize=None)
@@ -34,7 +43,7 @@ def sources_sha(module: str, root: Optional[Path] = None) -> str:
     from the package (or from `root`) once per process."""
     root = PACKAGE if root is None else root
     h = hashlib.sha256()
-    for name in DEPENDENCIES[module]:
+    for name in _files(module, root):
         h.update(name.encode() + b"\0" + (root / name).read_bytes().replace(b"\r\n", b"\n") + b"\0")
     return h.hexdigest()[:16]
 
@@ -45,7 +54,10 @@ def module_of(py_file: str):
         rel = Path(os.path.realpath(py_file)).relative_to(PACKAGE).as_posix()
     except ValueError:
         return None
-    return rel if rel in DEPENDENCIES else None
+    if rel in DEPENDENCIES:
+        return rel
+    folder = rel.rsplit("/", 1)[0] + "/"
+    return folder if folder in DEPENDENCIES else None
 
 
 def install() -> None:

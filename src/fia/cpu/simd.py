@@ -1,6 +1,6 @@
 """bf16 dot-product micro-kernels of the decode backend (AVX512-BF16 `vdpbf16ps`), emitted as LLVM IR.
 
-Why: the fused float32 kernels (decode.kernels.qk_fused / pv_fused) widen every bf16 element and then
+Why: the fused float32 kernels (decode.kernels.generic.qk_fused / pv_fused) widen every bf16 element and then
 multiply-add 16 lanes per instruction; on the machines measured that leaves the decode kernel
 compute-bound at ~120 cycles per key and KV head (docs/performance.md). `vdpbf16ps` multiplies 32 bf16
 pairs and accumulates them into 16 float32 lanes in one instruction at the same rate as one float32
@@ -660,7 +660,7 @@ def _fc(v, lanes=16):
 
 
 def _exp16(b, x):
-    """decode.kernels.fexp on 16 lanes, operation for operation (x <= 0; NaN propagates; x < -87 -> 0)."""
+    """cpu.numerics.fexp on 16 lanes, operation for operation (x <= 0; NaN propagates; x < -87 -> 0)."""
     floor = declare(b, "llvm.floor.v16f32", ir.FunctionType(V16F, [V16F]))
     lim = _fc(-87.0)
     low = b.fcmp_ordered("<", x, lim)
@@ -677,7 +677,7 @@ def _exp16(b, x):
 
 
 def _bf16_bits16(b, v):
-    """decode.kernels.f32_to_bf16_bits on 16 lanes: round to nearest even, NaN -> quiet NaN."""
+    """cpu.numerics.f32_to_bf16_bits on 16 lanes: round to nearest even, NaN -> quiet NaN."""
     u = b.bitcast(v, V16I)
     c = lambda k: ir.Constant(V16I, [k] * 16)  # noqa: E731
     hi = b.lshr(u, c(16))
@@ -688,7 +688,7 @@ def _bf16_bits16(b, v):
 
 @intrinsic
 def exp_rows(typingctx, saddr, n, mx, paddr, mode, inv):
-    """The softmax pass of decode.kernels.softmax_chunk over one row, 16 lanes at a time, for the first
+    """The softmax pass of decode.kernels.softmax.softmax_chunk over one row, 16 lanes at a time, for the first
     n - n % 16 scores: s[c] = fexp(s[c] - mx) in place (float32 at saddr); mode 1: also p[c] = its bf16
     bits, mode 2: p[c] = int16(min(rint(s[c] * inv), 32767)) (16-bit at paddr); returns the sum of the
     new s[c]. The caller finishes the n % 16 tail. numba vectorizes its own loop 8 lanes wide on CPUs
@@ -753,7 +753,7 @@ def max_f32(typingctx, addr, n, init, absolute):
     """max(init, x[0], ..., x[n - 1]) for the float32 x at addr (absolute != 0: of |x[i]|), 4 x 16 lanes at
     a time. numba's own loops keep this reduction scalar (a maxss chain, ~0.5 ns per element) unless the
     caller is compiled with nnan. NaN elements are skipped (maxnum): callers rule NaN out or do not need it
-    (decode.kernels.softmax_chunk: exp(NaN - max) is NaN whatever the max)."""
+    (decode.kernels.softmax.softmax_chunk: exp(NaN - max) is NaN whatever the max)."""
     sig = types.float32(types.int64, types.int64, types.float32, types.int64)
 
     def codegen(context, builder, signature, args):

@@ -5,7 +5,7 @@ element (sign extension + convert per 16 values) and multiply 16 lanes per instr
 decode at bf16's speed (docs/performance.md, "int8: int16 operands"). `vpdpwssd` multiplies 32 int16 pairs
 and accumulates them into 16 int32 lanes in one instruction; an int8 value only needs a sign extension to int16.
 
-The float operand is quantized to int16 by the caller (decode.kernels.quant_i16): one float32 scale per row
+The float operand is quantized to int16 by the caller (decode.kernels.softmax.quant_i16): one float32 scale per row
 (max |x| / 32767), values rounded to nearest. That is an error of half a step, 1.53e-5 of the row's
 largest magnitude per element: below the rounding of the fp16 / bf16 operands the hardware multiplies (its cube
 unit takes the dequantized K in fp16 / bf16 and P rounded to fp16 / bf16). The integer products and sums

@@ -1,4 +1,4 @@
-"""The decode backend: Q_S <= 16 on the CPU, Numba kernels (kernels.py). This module is its adapter (what it
+"""The decode backend: Q_S <= 16 on the CPU, Numba kernels (the kernels package). This module is its adapter (what it
 supports, prefers, describes; plan / launch); the stages live beside it: inputs.py (what the kernels read of a
 call), plan.py (what follows from metadata, memoized), execute.py (launch and merge), replay.py (fia.replay's
 re-launch of a kept plan).

@@ -1,4 +1,4 @@
-"""The decode kernel module (kernels.py), imported on first use: numba's import and the kernel cache load happen
+"""The decode kernel module (the kernels package), imported on first use: numba's import and the kernel cache load happen
 when a decode problem first needs them, not when fia is imported."""
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ query's dtype (O / l rounded to nearest even) and lse = m + log(l) in float32; a
 score gets output 0 and lse -inf.
 
 Unsigned loop indices where numba should vectorize (a signed computed index adds a wraparound select per
-element, decode.kernels.load_rows).
+element, decode.kernels.rows.load_rows).
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
-from ..decode.kernels import (FM, bf16_to_f32, claim, f32_to_bf16_bits, f32_to_half_bits, fexp, fexp2, fp16_to_f32,
-                              round_bf16_value)
+from ...cpu.numerics import (FM, bf16_to_f32, claim, f32_to_bf16_bits, f32_to_half_bits, fexp, fexp2, fp16_to_f32,
+                             round_bf16_value)
 from ...cpu import kernel_cache
 from ...cpu.simd import max_f32, mul_exact, sub_exact
 from ...cpu import gemm, gemm_narrow
