@@ -8,33 +8,27 @@ any tensor exists, by the few features those decisions read:
   full_quant  int8 query, key and value (SPEC 11)
   compute     the compute dtype (torch.float64 for a float64 query, else torch.float32)
 
-can_run(backend, **features) -> True, or the reason it cannot (a string). Unknown / None features constrain
+can_run(backend, **features) -> True, or the reason it cannot (a string), read from the backend's declared
+Capabilities (fia.backends.base). Unknown / None features constrain
 nothing: a case described too little still runs on every backend, and the backend's own refusal at run time
 stays a (reported) skip. FIA_TEST_AUDIT=1 (conftest) checks every exclusion made here against the backends.
 """
 from __future__ import annotations
 
-import torch
-
-try:
-    from fia.backends.decode.backend import MAX_Q_S as _DECODE_MAX_Q_S
-except ImportError:                     # numba missing: the decode backend is not registered anyway
-    _DECODE_MAX_Q_S = 16
+from fia.backends import registry
 
 
 def can_run(backend: str, *, q_s=None, decode=None, full_quant=False, compute=None):
+    """Read from the backend's declared Capabilities (the same data its not_supported_reasons checks)."""
+    caps = registry.by_name(backend).capabilities
     if decode is None and q_s is not None:
         decode = q_s == 1
-    if backend == "decode":
-        if q_s is not None and q_s > _DECODE_MAX_Q_S:
-            return f"decode: Q_S = {q_s} > {_DECODE_MAX_Q_S}"
-        if full_quant:
-            return "decode: full int8 quantization"
-        if compute is not None and compute != torch.float32:
-            return f"decode: compute dtype {compute}"
-    elif backend == "prefill":
-        if decode:
-            return "prefill: a decode problem (Q_S = 1)"
-        if full_quant:
-            return "prefill: full int8 quantization"
+    if caps.max_q_s is not None and q_s is not None and q_s > caps.max_q_s:
+        return f"{backend}: Q_S = {q_s} > {caps.max_q_s}"
+    if not caps.decode and decode:
+        return f"{backend}: a decode problem (Q_S = 1)"
+    if not caps.full_quant and full_quant:
+        return f"{backend}: full int8 quantization"
+    if compute is not None and compute not in caps.compute_dtypes:
+        return f"{backend}: compute dtype {compute}"
     return True

@@ -127,12 +127,13 @@ def _graph_call(query, key, value, kwargs: dict) -> bool:
     return False
 
 
-def _routed(spec: OpSpec, pair: Optional[bool] = None):
-    """The public function of spec: the custom op while torch.compile traces (or `_graph_call`), else the eager
-    function. With `pair` set (the attention entry points: True returns (out, lse), False out alone), repeated
-    eager calls replay their backend's prepared launch (fia.replay)."""
-    fn = spec.fn
-    name = spec.name
+def _routed(fn, pair: Optional[bool] = None):
+    """The public function of the eager implementation `fn` (fia.eager): its custom op (fia.graph.OPS, by name)
+    while torch.compile traces (or `_graph_call`), else `fn` itself. With `pair` set (the attention entry points:
+    True returns (out, lse), False out alone), repeated eager calls replay their backend's prepared launch
+    (fia.replay)."""
+    name = fn.__name__
+    spec = OPS[name]
 
     @functools.wraps(fn)
     def wrapper(query, key, value, **kwargs):
@@ -155,8 +156,10 @@ def _routed(spec: OpSpec, pair: Optional[bool] = None):
     return wrapper
 
 
-def _routed_out(spec: OpSpec):
-    eager = spec.fn.out
+def _routed_out(fn):
+    """The public `.out` variant of the eager implementation `fn`: its custom op's out overload while tracing."""
+    spec = OPS[fn.__name__]
+    eager = fn.out
 
     @functools.wraps(eager)
     def out_fn(query, key, value, *, workspace=None, out=None, attention_out=None, softmax_lse=None, **kwargs):
@@ -181,13 +184,14 @@ def _routed_update(fn):
     return wrapper
 
 
-npu_fused_infer_attention_score = _routed(OPS["npu_fused_infer_attention_score"], pair=True)
-npu_incre_flash_attention = _routed(OPS["npu_incre_flash_attention"], pair=False)
-npu_prompt_flash_attention = _routed(OPS["npu_prompt_flash_attention"], pair=False)
-npu_fused_infer_attention_score_v2 = _routed(OPS["npu_fused_infer_attention_score_v2"])
-_npu_fused_infer_attention_score_get_max_workspace = _routed(OPS["_npu_fused_infer_attention_score_get_max_workspace"])
+# public function = route(eager implementation): fia.eager runs the call (parse -> backend -> finalize)
+npu_fused_infer_attention_score = _routed(eager.npu_fused_infer_attention_score, pair=True)
+npu_incre_flash_attention = _routed(eager.npu_incre_flash_attention, pair=False)
+npu_prompt_flash_attention = _routed(eager.npu_prompt_flash_attention, pair=False)
+npu_fused_infer_attention_score_v2 = _routed(eager.npu_fused_infer_attention_score_v2)
+_npu_fused_infer_attention_score_get_max_workspace = _routed(eager._npu_fused_infer_attention_score_get_max_workspace)
 _npu_fused_infer_attention_score_v2_get_max_workspace = _routed(
-    OPS["_npu_fused_infer_attention_score_v2_get_max_workspace"])
+    eager._npu_fused_infer_attention_score_v2_get_max_workspace)
 npu_attention_update = _routed_update(eager.npu_attention_update)
 
 
@@ -205,5 +209,5 @@ _npu_fused_infer_attention_score_infer_output = _routed_infer_output(eager._npu_
 _npu_fused_infer_attention_score_v2_infer_output = _routed_infer_output(
     eager._npu_fused_infer_attention_score_v2_infer_output)
 # functools.wraps copied the eager .out attribute; the public one routes too
-npu_fused_infer_attention_score.out = _routed_out(OPS["npu_fused_infer_attention_score"])
-npu_fused_infer_attention_score_v2.out = _routed_out(OPS["npu_fused_infer_attention_score_v2"])
+npu_fused_infer_attention_score.out = _routed_out(eager.npu_fused_infer_attention_score)
+npu_fused_infer_attention_score_v2.out = _routed_out(eager.npu_fused_infer_attention_score_v2)

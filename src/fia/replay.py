@@ -44,7 +44,7 @@ import math
 import threading
 from itertools import compress, repeat
 from operator import is_
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -218,11 +218,8 @@ def admit(key: tuple, ran, q, k, v, results: tuple, kw: dict) -> None:
             return
     elif problem.memo_key is None:                 # not yet memoized: maybe the next time
         return
-    make: Optional[Callable] = getattr(backend, "replay", None)
-    if make is None:                               # (not marked: a tier's stand-in may have run it, fia.cpu.jit)
-        return
-    r = make(problem, q, k, v, lengths=lens is not None or ax is not None, extras=_extras(key, kw),
-             kv_axis=ax)
+    r = backend.replay(problem, q, k, v, lengths=lens is not None or ax is not None, extras=_extras(key, kw),
+                       kv_axis=ax)                 # (Backend.replay: None where the backend offers none)
     got = None if r is None else _replayed(r, key, q, k, v, kw)
     ok = got is not None and _same(got[:len(results)], results)
     _TABLE.put(key, r if ok else _NEVER)

@@ -5,7 +5,7 @@ a time: it never holds more than one batch's [N, S1, S2] scores.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Optional
 
 import torch
 
@@ -151,9 +151,6 @@ def attend_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fq: FullQuant
 class ReferenceBackend(Backend):
     name = "reference"
     priority = PRIORITY_REFERENCE
-
-    def not_supported_reasons(self, p: AttentionProblem) -> List[str]:
-        return super().not_supported_reasons(p)
 
     def memory_need(self, p: AttentionProblem):
         """+ one batch's [N, S1, S2] scores, alive about three times over (scores, exponentials, probabilities)."""

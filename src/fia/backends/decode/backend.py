@@ -37,11 +37,11 @@ from typing import List, Optional
 import torch
 
 from ...problem.attention import AttentionProblem
-from ..base import PRIORITY_DECODE, PRIORITY_PREFILL, Backend, BackendResult
+from ..base import PRIORITY_DECODE, PRIORITY_PREFILL, Backend, BackendResult, Capabilities, kv_tensors
 from ..reference import ReferenceBackend
 from . import loader, plan as decode_plan
 from .execute import execute
-from .inputs import KINDS, Inputs, inner_contiguous, ir_covers
+from .inputs import KINDS, Inputs, ir_covers
 from .loader import numba_available
 from .plan import Launch, Plan, plan_of
 from .replay import Replay, prepare
@@ -56,28 +56,18 @@ class DecodeBackend(Backend):
     """Fast CPU decode: Q_S <= 16, grouped heads, split-KV, fused dequant, paged KV in place."""
     name = "decode"
     priority = PRIORITY_DECODE            # above prefill: Q_S <= 16 comes here
-    devices = ("cpu",)       # Numba CPU kernels
+    capabilities = Capabilities(
+        devices=("cpu",), max_q_s=MAX_Q_S, full_quant=False, compute_dtypes=(torch.float32,), strided_kv=False,
+        numba="yes", why={"compute": "float32 only"},
+        notes={"nz": "yes (each chunk's fragments packed into rows)",
+               "prefix": "yes (not with a KV window that does not start at 0)",
+               "float64": "no (float32 compute only)"})
 
     def not_supported_reasons(self, p: AttentionProblem) -> List[str]:
         r = super().not_supported_reasons(p)
         if not numba_available():
             r.append("numba is not installed")
-        if p.Q_S > MAX_Q_S:
-            r.append(f"Q_S = {p.Q_S} > {MAX_Q_S} (decode backend: Q_S <= {MAX_Q_S})")
-        if p.full_quant is not None:
-            r.append("full int8 quantization (int8 query, key and value)")
-        if p.compute_dtype != torch.float32:
-            r.append(f"compute dtype {p.compute_dtype} (float32 only)")
-        kv = p.kv
-        if kv.kind == "list":
-            ts = list(kv.keys) + list(kv.values) + list(kv.key_ropes or ())
-        else:
-            ts = [kv.key, kv.value, kv.key_rope]
-        if p.prefix is not None:
-            ts += [p.prefix.key, p.prefix.value]
-        if not all(inner_contiguous(t) for t in ts):
-            r.append("key/value (or rope/prefix) with a non-contiguous last dimension")
-        for t in ts + [p.query, p.query_rope, p.pse]:
+        for t in kv_tensors(p) + [p.query, p.query_rope, p.pse]:
             if t is not None and t.dtype not in KINDS:
                 r.append(f"dtype {t.dtype}")
                 break

@@ -80,10 +80,6 @@ def kind_of(t: torch.Tensor) -> int:
     return KINDS[t.dtype]
 
 
-def inner_contiguous(t: Optional[torch.Tensor]) -> bool:
-    return t is None or t.shape[-1] <= 1 or t.stride(-1) == 1
-
-
 class Inputs:
     """What the kernels read, as they read it: the query with a unit-stride last dim, a byte mask, the
     tensor / channel / head dequant factors and the sink as float32 arrays, the KV sources (with the

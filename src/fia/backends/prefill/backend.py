@@ -38,14 +38,14 @@ Declared unsupported: decode (Q_S = 1), full int8 quantization (P is requantized
 from __future__ import annotations
 
 import math
-from typing import List, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from ... import caches
 from ...problem.attention import MASK_FILL, AttentionProblem
 from . import flash as prefill_flash
-from ..base import PRIORITY_PREFILL, Backend, BackendResult
+from ..base import PRIORITY_PREFILL, Backend, BackendResult, Capabilities
 from .plan import CAUSAL, FULL, MASKED, RCAUSAL, BlockPlan, band_outside_tile, dead_row_ranges, plan_batch
 from .pse import key_tile_norms, needed_ranges
 from ..reference import batch_keys, batch_query
@@ -102,7 +102,13 @@ class PrefillPlan(NamedTuple):
 class PrefillBackend(Backend):
     name = "prefill"
     priority = PRIORITY_PREFILL
-    devices = ("cpu",)   # ATen's CPU flash-attention kernel
+    capabilities = Capabilities(
+        devices=("cpu",), decode=False, full_quant=False, numba="no (FIA's own kernel: yes)",
+        why={"decode": "decode (Q_S = 1): this backend covers prefill (Q_S > 1) only",
+             "full quant": "full int8 quantization (SPEC 11: P is quantized to int8 between the two products, "
+                           "which the fused kernel cannot do)",
+             "compute": "kernel supports float32/float64 accumulation"},
+        notes={"fp4": "no (decode only)", "float64": "yes (torch's kernel)"})
 
     # tiling (tuned on a 2-core AVX2 machine, docs/performance.md, "Tile sizes and memory")
     block_q = 256          # query rows per block when the band or a user mask needs blocking
@@ -113,17 +119,6 @@ class PrefillBackend(Backend):
     pse_rows = 768         # row block of the pse path (>= 768: the kernel splits q by 256, its fastest)
     pse_tile = 128         # key tile of the pse bounds
     mask_chunk_elems = 1 << 21   # max elements of one materialized mask/bias tile (N x rows x cols)
-
-    def not_supported_reasons(self, p: AttentionProblem) -> List[str]:
-        reasons = super().not_supported_reasons(p)
-        if p.is_decode:
-            reasons.append("decode (Q_S = 1): this backend covers prefill (Q_S > 1) only")
-        if p.full_quant is not None:
-            reasons.append("full int8 quantization (SPEC 11: P is quantized to int8 between the two products, "
-                           "which the fused kernel cannot do)")
-        if p.compute_dtype not in (torch.float32, torch.float64):
-            reasons.append(f"compute dtype {p.compute_dtype} (kernel supports float32/float64 accumulation)")
-        return reasons
 
     def kernel_sets(self, p: AttentionProblem):
         """fia.cpu.jit: FIA's own flash kernel where it serves this dtype on this CPU; the pse statistics pass."""

@@ -12,7 +12,7 @@ from typing import List
 import torch
 
 from ...problem.attention import AttentionProblem
-from ..base import PRIORITY_TORCH, Backend, BackendResult
+from ..base import PRIORITY_TORCH, Backend, BackendResult, Capabilities
 from .attend import Tiling, run_group
 from .plan import Group, groups
 
@@ -21,7 +21,8 @@ class TorchBackend(Backend):
     name = "torch"
     priority = PRIORITY_TORCH  # CPU: below prefill / decode, above the reference
     device_priority = 100    # any other device: the preferred backend
-    devices = ("*",)         # any device torch computes on (not meta: it holds no data)
+    capabilities = Capabilities(devices=("*",),        # any device torch computes on (not meta: it holds no data)
+                                why={"devices": "device meta (tensors without data)"})
 
     # tiling (elements of the compute dtype): one chunk's K (or V), one online tile's scores, and the most
     # scores a group may hold whole (the rows schedule: decode, small prefill; 16 MiB in float32)
@@ -37,11 +38,6 @@ class TorchBackend(Backend):
     # above times these factors (H200, bf16, 32/8 heads: decode at 4096 keys 1526 ops a call with the CPU's
     # tiles; causal prefill at 2048 27744)
     device_scale = {"kv_elems": 256, "score_elems": 256, "rows_elems": 16, "max_chunk": 8}
-
-    def not_supported_reasons(self, p: AttentionProblem) -> List[str]:
-        if p.device.type == "meta":
-            return ["device meta (tensors without data)"]
-        return []            # the reference's set: every problem parse accepts, on any device with data
 
     def preference(self, p: AttentionProblem) -> int:
         return self.priority if p.device.type == "cpu" else self.device_priority
