@@ -15,6 +15,7 @@ costs ~0.1-0.3 us a call (two C calls once the replay key has vouched for the te
 from __future__ import annotations
 
 import functools
+import inspect
 import operator
 import warnings
 from typing import Optional
@@ -25,6 +26,7 @@ from . import eager, replay
 from .errors import FiaUnsupportedError, input_error
 from .graph import INT_LISTS, OPS, OpSpec, op
 from .outvariants import caller_outputs
+from .parse.entries import unknown_keyword
 from .parse.outputs import DTYPE_NUMBERS
 
 __all__ = ["npu_fused_infer_attention_score", "npu_incre_flash_attention", "npu_prompt_flash_attention",
@@ -127,6 +129,20 @@ def _graph_call(query, key, value, kwargs: dict) -> bool:
     return False
 
 
+def _keywords(fn) -> frozenset:
+    """The keyword arguments fn (an eager entry point) takes by name."""
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return frozenset(n for n, p in inspect.signature(fn).parameters.items() if p.kind in kinds)
+
+
+def _check_keywords(name: str, known: frozenset, kwargs: dict) -> None:
+    """FIA's input error for a keyword the entry point does not take -- the same on every path (eager, meta /
+    fake tensors, tracing), before any of them looks at the call."""
+    for k in kwargs:
+        if k not in known:
+            raise unknown_keyword(name, k, sorted(known))
+
+
 def _routed(fn, pair: Optional[bool] = None):
     """The public function of the eager implementation `fn` (fia.eager): its custom op (fia.graph.OPS, by name)
     while torch.compile traces (or `_graph_call`), else `fn` itself. With `pair` set (the attention entry points:
@@ -134,11 +150,14 @@ def _routed(fn, pair: Optional[bool] = None):
     (fia.replay)."""
     name = fn.__name__
     spec = OPS[name]
+    known = _keywords(fn)
 
     @functools.wraps(fn)
     def wrapper(query, key, value, **kwargs):
-        if torch.compiler.is_compiling():
-            return _traced_call(spec, query, key, value, kwargs)
+        if torch.compiler.is_compiling():         # (an unknown keyword: the op schema's error; Dynamo cannot
+            return _traced_call(spec, query, key, value, kwargs)     # build FIA's)
+        if not known.issuperset(kwargs):
+            _check_keywords(name, known, kwargs)
         # a replay key means plain CPU tensors only: then only modes and jit tracing are left to rule out (~90 ns)
         rk = replay.key_of(name, query, key, value, kwargs) if pair is not None else None
         if rk is None:
@@ -160,10 +179,13 @@ def _routed_out(fn):
     """The public `.out` variant of the eager implementation `fn`: its custom op's out overload while tracing."""
     spec = OPS[fn.__name__]
     eager = fn.out
+    known = _keywords(fn)
 
     @functools.wraps(eager)
     def out_fn(query, key, value, *, workspace=None, out=None, attention_out=None, softmax_lse=None, **kwargs):
         compiling = torch.compiler.is_compiling()
+        if not compiling and not known.issuperset(kwargs):
+            _check_keywords(fn.__name__, known, kwargs)
         # (the inputs decide: a caller's output on the wrong device is the eager .out's input error)
         if compiling or _graph_call(query, key, value, kwargs):
             a, lse, _ = caller_outputs(out, attention_out, softmax_lse)

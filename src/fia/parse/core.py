@@ -23,6 +23,8 @@ from .unimplemented import reject_unimplemented
 from .outputs import output_dtype
 from .paged import paged_kv
 
+FLOAT32_MAX = 3.4028234663852886e38          # the largest finite float32: the operator takes scale as a float
+
 
 def parse_fused(a: dict, api: str = "npu_fused_infer_attention_score", aliases: Optional[dict] = None,
                 *, decode_only: bool = False) -> AttentionProblem:
@@ -184,6 +186,9 @@ def _parse(a: dict, api: str, aliases: Optional[dict], decode_only: bool) -> Att
                       n=qd.N, d=qd.D, q_s=q_s, kv_s=kv_ext)
     sink = M.learnable_sink(ctx, a.get("learnable_sink"), query.dtype, qd.N)
     scale = ctx.number("scale", a["scale"])
+    if not abs(scale) <= FLOAT32_MAX:                # inf, -inf, NaN, or no float32 (DECISIONS 49)
+        raise ctx.err("scale", "a finite number within float32's range (|scale| <= 3.4028235e38: the operator's "
+                      "float attribute)", describe(a["scale"]))
     lse_flag = a["softmax_lse_flag"]
     if not isinstance(lse_flag, (bool, int)) or lse_flag not in (0, 1):
         raise ctx.err("softmax_lse_flag", "a bool", describe(lse_flag))

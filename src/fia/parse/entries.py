@@ -1,6 +1,8 @@
 """npu_incre_flash_attention / npu_prompt_flash_attention mapped onto the fused argument set."""
 from __future__ import annotations
 
+import difflib
+
 import torch
 
 from .core import parse_fused
@@ -84,15 +86,27 @@ V2_RESERVED = ("query_dtype", "key_dtype", "value_dtype", "query_rope_dtype", "k
                "quant_scale_p")
 
 
+def unknown_keyword(api: str, name: str, known=()):
+    """The input error of a keyword `name` that entry point `api` does not take (every path raises this one:
+    eager, meta / fake tensors, tracing); `known`: its keywords, for a close match in the hint."""
+    from ..errors import input_error
+    if api == "npu_fused_infer_attention_score_v2" and name in FUSED_DEFAULTS:
+        return input_error(name, "an argument of npu_fused_infer_attention_score_v2 (it is only reachable "
+                           "through npu_fused_infer_attention_score)", "a value",
+                           "call npu_fused_infer_attention_score for this feature")
+    if api != "npu_fused_infer_attention_score_v2" and V2_MAP.get(name) in known:   # a v2 name in a v1 call
+        hint = f"did you mean {V2_MAP[name]}? {name} is npu_fused_infer_attention_score_v2's name for it"
+    else:
+        close = difflib.get_close_matches(name, list(known), n=1)
+        hint = f"did you mean {close[0]}?" if close else None
+    return input_error(name, f"a keyword of {api}", "an unknown keyword", hint)
+
+
 def parse_v2(a: dict, extra: dict):
     """npu_fused_infer_attention_score_v2: the same operator under new names. `extra`: unknown keywords."""
     from ..errors import input_error
     for name in extra:
-        if name in FUSED_DEFAULTS:
-            raise input_error(name, "an argument of npu_fused_infer_attention_score_v2 (it is only reachable "
-                              "through npu_fused_infer_attention_score)", "a value",
-                              "call npu_fused_infer_attention_score for this feature")
-        raise input_error(name, "a keyword of npu_fused_infer_attention_score_v2", "an unknown keyword")
+        raise unknown_keyword("npu_fused_infer_attention_score_v2", name, tuple(V2_MAP) + V2_RESERVED)
     for name in V2_RESERVED:
         if a.get(name) is not None:
             raise input_error(name, "None (reserved argument)", repr(a[name]) if not hasattr(a[name], "shape")

@@ -1,0 +1,91 @@
+"""Extreme arguments give one answer on every path: a scale that is not a finite float32 is FIA's input error
+(DECISIONS 49), and a keyword an entry point does not take is FIA's input error naming it -- the same class and
+message eagerly, on meta tensors, under FakeTensorMode and under make_fx."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import fia
+from util import gen, randn
+
+pytestmark = pytest.mark.backend_independent      # parse decides before any backend: run once (conftest)
+
+BF16 = torch.bfloat16
+# entry point -> (function, its num-heads keyword, its scale keyword)
+ENTRIES = {
+    "fused": (fia.npu_fused_infer_attention_score, "num_heads", "scale"),
+    "fused.out": (fia.npu_fused_infer_attention_score.out, "num_heads", "scale"),
+    "incre": (fia.npu_incre_flash_attention, "num_heads", "scale_value"),
+    "prompt": (fia.npu_prompt_flash_attention, "num_heads", "scale_value"),
+    "v2": (fia.npu_fused_infer_attention_score_v2, "num_query_heads", "softmax_scale"),
+}
+PATHS = ("cpu", "meta", "fake", "make_fx")
+
+
+def _call(entry: str, path: str, q_s: int = 1, **kw):
+    """entry's call on fresh random tensors along `path`; returns the exception it raised (None: no error)."""
+    fn, heads, _ = ENTRIES[entry]
+    g = gen(q_s)
+
+    def run(q, k):
+        outs = {}
+        if entry == "fused.out":                  # the caller's outputs, where the call's tensors live
+            outs = dict(attention_out=torch.full_like(q, float("nan")),
+                        softmax_lse=torch.full((1,), float("nan"), device=q.device))
+        return fn(q, k, k, **{heads: 4}, input_layout="BNSD", **outs, **kw)
+
+    def tensors(device="cpu"):
+        return (randn((1, 4, q_s, 32), g, BF16).to(device), randn((1, 4, 40, 32), g, BF16).to(device))
+    try:
+        if path == "fake":
+            with FakeTensorMode():
+                run(*tensors())
+        elif path == "make_fx":
+            make_fx(run)(*tensors())
+        else:
+            run(*tensors(path))
+    except Exception as e:                        # noqa: BLE001 - the test compares what each path raises
+        return e
+    return None
+
+
+def _same_error_everywhere(entry: str, q_s: int, **kw) -> Exception:
+    errors = {p: _call(entry, p, q_s, **kw) for p in PATHS}
+    first = errors["cpu"]
+    assert isinstance(first, fia.FiaInputError), (entry, errors)
+    for p, e in errors.items():
+        assert type(e) is type(first) and str(e) == str(first), (entry, p, e, first)
+    return first
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRIES))
+@pytest.mark.parametrize("value", [float("inf"), -float("inf"), float("nan"), 1e39, -1e39])
+def test_a_scale_that_is_not_a_finite_float32_is_an_input_error(entry, value):
+    name = ENTRIES[entry][2]
+    q_s = 1 if entry == "incre" else 3
+    err = _same_error_everywhere(entry, q_s, **{name: value})
+    assert str(err).startswith(f"{name}: expected a finite number within float32's range")
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRIES))
+def test_the_largest_finite_float32_scale_is_accepted(entry):
+    name = ENTRIES[entry][2]
+    assert _call(entry, "meta", 1 if entry == "incre" else 3, **{name: 3.4028234663852886e38}) is None
+
+
+@pytest.mark.parametrize("entry,keyword,hint", [
+    ("fused", "actual_seq_kvlen", "did you mean actual_seq_lengths_kv?"),      # v2's name in a v1 call
+    ("fused", "return_softmax_lse", "did you mean softmax_lse_flag?"),
+    ("fused.out", "num_head", "did you mean num_heads?"),
+    ("incre", "actual_seq_lengths_kv", "did you mean actual_seq_lengths?"),
+    ("prompt", "sparse_modes", "did you mean sparse_mode?"),
+    ("v2", "scale", None),                                                   # a v1 argument v2 does not take
+])
+def test_an_unknown_keyword_is_the_same_input_error_on_every_path(entry, keyword, hint):
+    err = _same_error_everywhere(entry, 1 if entry == "incre" else 3, **{keyword: 1})
+    assert str(err).startswith(f"{keyword}: expected ")
+    if hint is not None:
+        assert hint in str(err)
