@@ -158,7 +158,8 @@ def _routed(fn, pair: Optional[bool] = None):
             return _traced_call(spec, query, key, value, kwargs)     # build FIA's)
         if not known.issuperset(kwargs):
             _check_keywords(name, known, kwargs)
-        # a replay key means plain CPU tensors only: then only modes and jit tracing are left to rule out (~90 ns)
+        # a replay key means plain CPU tensors only: then only modes and jit tracing are left to rule out, which is
+        # cheap (docs/performance.md, "Kernel choices: the measurements")
         rk = replay.key_of(name, query, key, value, kwargs) if pair is not None else None
         if rk is None:
             if _graph_call(query, key, value, kwargs):

@@ -202,8 +202,8 @@ def _fia_call(fia, inp: C.Inputs, backend: Optional[str]) -> Callable[[], torch.
         return canon(out)                                           # [B, N, S_q, D]
 
     def run_auto() -> torch.Tensor:
-        # the automatic choice with no backend forced anywhere: the call alone (the context manager costs
-        # ~2-4 us of the small decode case on a slow host, none of it FIA's)
+        # the automatic choice with no backend forced anywhere: the call alone (the context manager's own cost,
+        # none of it FIA's, would count in the small cases: docs/performance.md, "Kernel choices: the measurements")
         out, _ = fn(*args, **kw)
         return canon(out)
     get = getattr(fia, "get_backend", None)
@@ -436,7 +436,9 @@ def run_case(case: C.Case, ceilings, opts: Options, fia, phase: Callable[[str], 
     if "median_ms" in rec["fia"] and "median_ms" in rec["dense"]:
         rec["speedup_vs_dense"] = rec["dense"]["median_ms"] / rec["fia"]["median_ms"]
     del inp, sl
-    if case.input_bytes() > 64 << 20:      # tensors go by refcount; this only clears stray cycles (~0.2 s)
+    # tensors go by refcount; this only clears stray cycles, and it is not free
+    # (docs/performance.md, "Kernel choices: the measurements")
+    if case.input_bytes() > 64 << 20:
         gc.collect()
     return rec
 

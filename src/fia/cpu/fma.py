@@ -29,24 +29,24 @@ from .simd import (F32, I16, I32, I64, KIND_BF16, KIND_F32, KIND_FP16, KIND_I8, 
 
 F16C = platform.machine().lower() in ("aarch64", "arm64") or target_has("f16c")
 # CPUs without AVX-512 have 16 vector registers of 8 floats: there LLVM splits each <16 x float> of the
-# blocks below in two, and their 16-32 accumulators spill (AMD Zen 3, AVX2, in L2, ns per key, 4 rows:
-# QK 24-34, PV 45). NARROW kernels work on 8 lanes with at most 8 accumulators (qk_narrow, _pv_narrow).
+# blocks below in two, and their 16-32 accumulators spill. NARROW kernels work on 8 lanes with at most 8
+# accumulators (qk_narrow, _pv_narrow) (docs/performance.md, "Kernel choices: the measurements").
 NARROW = not target_has("avx512f")
 # bf16 K / V for the NARROW kernels, widened in even / odd halves (widen_eo): one 32-byte load of 16 values
 # gives the even-indexed ones as `bits << 16` and the odd-indexed ones as `bits & 0xFFFF0000` (1 load + 2 ALU
-# ops per 16 values; the zero-extending widening took 2 loads + 2 shuffles + 2 shifts, and on Zen 3 its
-# shuffles share a pipe with the FMAs). The caller pairs them: QK with the query de-interleaved the same way
-# once per item, PV with accumulators whose 16-channel groups hold the even channels, then the odd ones
-# (decode.kernels.items._items puts them back). Exact: the same products, only summed in another order.
+# ops per 16 values; the zero-extending widening took 2 loads + 2 shuffles + 2 shifts, and on some CPUs its
+# shuffles share a pipe with the FMAs: docs/performance.md, "Kernel choices: the measurements"). The caller pairs
+# them: QK with the query de-interleaved the same way once per item, PV with accumulators whose 16-channel groups
+# hold the even channels, then the odd ones (decode.kernels.items._items puts them back). Exact: the same products,
+# only summed in another order.
 KIND_BF16_EO = 5
 # Keys per QK block of NR query rows (qk_narrow; 8 // NR where not listed). Elements widened one chunk at a time
 # (fp16 `vcvtph2ps`, int8; float32 loaded as is) take 4 rows x 3 keys (12 accumulators, 15 of the 16 registers,
-# no spills): fp16 QK in L2 at 4 / 8 rows 0.89-0.93x per key (Zen 3, in-process A/B, results bitwise equal);
-# 2 rows x 5 keys 0.93x, x 6 spills (1.25x). bf16 even / odd halves stay at 4 x 2: their widened halves need 2 more registers
-# (4 x 3: 1.19-1.26x), and so does qk_i8 (vnni.py: 4 x 3 level, 0.99-1.02x).
+# no spills); 2 rows x 5 keys (x 6 spills). bf16 even / odd halves stay at 4 x 2: their widened halves need 2 more
+# registers, and so does qk_i8 (docs/performance.md, "Kernel choices: the measurements").
 QK_NC_WIDENED = {4: 3, 2: 5}
 # Head dims whose float32 QK (16 lanes) is straight-line code: D = 64 too, so that its query stays in registers
-# (simd.qk_kernel's preload) -- D = 64 float32 K in L2, 4 rows, 1.17x per key against the loop over chunks
+# (simd.qk_kernel's preload), faster than the loop over chunks (docs/performance.md, "Kernel choices: the measurements")
 QK_UNROLLED_F32 = (8, 4)
 
 
@@ -167,8 +167,7 @@ def qk_narrow(b, op, qa, q_rs, ka, offp, sa, s_rs, R, n, D, x, eo=False, nc=None
     def variant(ND):
         def block(NR, NC, r0, q0, c, s0, xr, _qregs):
             # the prefetch requests first: placed after the FMAs, their code kept the 8 accumulators live
-            # across it and LLVM spilled them (Zen 3, QK alone in L2 with prefetching on, ns per key: 16 rows
-            # 160 -> 69, 4 rows 45 -> 17.5; whole calls, in-process A/B: bf16 qs4 1.40x, qs1 1.15x)
+            # across it and LLVM spilled them (docs/performance.md, "Kernel choices: the measurements")
             prefetch_rows(b, xr, c, NC)
             prefetch_ahead(b, xr, ka, offp, n, b.mul(nd, c64(op.kstep)), c64(op.es), c, NC)
             accs = [[var(b, op.zero) for _ in range(NC)] for _ in range(NR)]
@@ -189,8 +188,7 @@ def qk_narrow(b, op, qa, q_rs, ka, offp, sa, s_rs, R, n, D, x, eo=False, nc=None
                 if NR <= 2:
                     # key by key (each key's halves used as soon as they are widened), the query chunks loaded
                     # first: widening every key of the step first kept 2 NC halves live beside the 8
-                    # accumulators (Zen 3, in L2, in-process A/B: 2 rows 0.89x, 3 rows 0.94x, 1 row
-                    # level; the blocks' stack moves 86 -> 43 at 1 row x 8 keys, 30 -> 5 at 2 x 4)
+                    # accumulators (docs/performance.md, "Kernel choices: the measurements")
                     ks = [b.add(b.mul(k, c64(2)), c64(h)) for h in range(2)]
                     qvs = [[load(b, gep(b, qrows[r], b.mul(kh, c64(op.qstep))), op.qty, qalign) for kh in ks]
                            for r in range(NR)]
@@ -232,8 +230,8 @@ def _pv_pass(b, kind, NR, DG, p0, p_rs, vaddr, offp, n, a0, a_rs, g, x, vrow, la
         c = loop.index
         # the prefetch requests first: their branches end a basic block, and emitted after the widening they
         # kept every widened chunk live across them -- at 1 row x 8 chunks (17 registers) two accumulators
-        # spilled, each FMA chain then went through a store and a reload (as QK's _qk_block; Zen 3,
-        # in L2, in-process A/B, ns per key: 1 row bf16 0.65-0.69x, int8 0.67-0.73x, 3 rows 0.77-0.89x, 2 / 4 level)
+        # spilled, each FMA chain then went through a store and a reload (as QK's _qk_block)
+        # (docs/performance.md, "Kernel choices: the measurements")
         prefetch_rows(b, x, c, 1)
         prefetch_ahead(b, x, vaddr, offp, n, vrow, c64(es), c, 1)
         vp = gep(b, vbase, b.add(b.mul(b.load(gep(b, offp, c)), c64(es)), b.mul(g, c64(lanes * DG * es))))
@@ -274,9 +272,8 @@ def _pv_narrow(b, kind, pa, p_rs, va, offp, n, aa, a_rs, R, Dv, x):
 
         if NR == 4 and kind != KIND_BF16_EO:
             # widened one chunk at a time (fp16, int8; float32 loaded): 4 rows x 3 chunks (12 accumulators, as
-            # QK_NC_WIDENED), passes of 24 channels, then the rest 8 at a time. fp16 PV in L2 at 4 / 8 rows 0.83-0.86x per key,
-            # int8 0.95x (Zen 3, in-process A/B, bitwise equal); bf16 even / odd halves come in pairs of
-            # chunks (4 x 2), and widened plainly with 4 x 3 they ran 1.04-1.20x of that
+            # QK_NC_WIDENED), passes of 24 channels, then the rest 8 at a time; bf16 even / odd halves come in
+            # pairs of chunks (4 x 2) (docs/performance.md, "Kernel choices: the measurements")
             n3 = b.udiv(Dv, c64(24))
             _pv_passes(b, kind, NR, 3, r0, pa, p_rs, va, offp, n, aa, a_rs, R, Dv, x, 8, 4, c64(0), n3)
             _pv_passes(b, kind, NR, 1, r0, pa, p_rs, va, offp, n, aa, a_rs, R, Dv, x, 8, 4, b.mul(n3, c64(3)),

@@ -344,8 +344,7 @@ def _qk_block(b, op, NR, NC, r0, q0, q_rs, kaddr, offp, c, s0, s_rs, nd, ND, x, 
     core but only half that when rows are read interleaved. With ND known the block is straight-line
     code, so the NR x NC accumulation chains overlap (vdpbf16ps has a 6-cycle latency)."""
     # the prefetch requests first, before the accumulators exist: emitted after the FMAs, their code kept
-    # every accumulator live across it (fma.qk_narrow: measured on Zen 3; here static only: qk_fma
-    # for an AVX-512 target, vector spills / reloads in the function 246 / 126 -> 17 / 5)
+    # every accumulator live across it, as in fma.qk_narrow (docs/performance.md, "Kernel choices: the measurements")
     prefetch_rows(b, x, c, NC)
     prefetch_ahead(b, x, kaddr, offp, n, c64(ND * op.kstep) if ND else b.mul(nd, c64(op.kstep)), c64(op.es), c, NC)
     accs = [[var(b, op.zero) for _ in range(NC)] for _ in range(NR)]
@@ -387,7 +386,8 @@ def store_scores(b, op, accs, NR, NC, r0, s0, s_rs, c, lanes=16):
     else:
         v = _as_vector(b, _sums_of(b, z, out))
     v = op.finish(b, r0, NR, NC, v)
-    for r in range(NR):                 # not NC scalar extracts (narrow QK, Zen 3, in L2: 0.94-1.03x, median ~0.98)
+    # one shuffle per row, not NC scalar extracts: no slower (docs/performance.md, "Kernel choices: the measurements")
+    for r in range(NR):
         _store_row(b, shuffle(b, v, v, [r * NC + j for j in range(NC)]) if NC > 1 else b.extract_element(
             v, ir.Constant(I32, r)), s0, s_rs, r, c)
 
@@ -442,8 +442,8 @@ def qk_kernel(b, op, qa, q_rs, ka, offp, sa, s_rs, R, n, D, x, chunk, unrolled, 
         if ND is not None and ND <= 4:
             # the row block's query chunks stay in registers (<= 16 vectors) across its keys, in blocks of 2
             # (8 accumulators): the query was reloaded from L1 for every key (4 keys x 4 rows per block), and
-            # those loads cost more than their count: QK alone, 4 rows, 13 -> 10 ns per key in L2 and 45 -> 15
-            # ns per key from DRAM without software prefetch -- the hardware prefetchers now carry the K stream
+            # those loads cost more than their count; the hardware prefetchers now carry the K stream
+            # (docs/performance.md, "Kernel choices: the measurements")
             def preload(NR, q0):
                 return [[load(b, gep(b, ptr(b, b.add(q0, b.mul(q_rs, c64(r)))), c64(k * op.qstep)), op.qty)
                          for k in range(ND)] for r in range(NR)]

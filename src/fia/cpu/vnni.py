@@ -45,8 +45,8 @@ _HOST_VNNI = target_has("avx512vnni", "avx512bw", "avx512f")
 _HOST_AVX2 = target_has("avx2")
 # FIA_DECODE_VNNI: "0" never use these kernels, "1" always (emulated where the CPU lacks the instruction),
 # unset: where the CPU has the instruction of its width: AVX512-VNNI, or AVX2 `vpmaddwd` for the 8-lane
-# (NARROW) kernels of CPUs without AVX-512 (AMD Zen 3, two threads, int8 bench cases at 4096 keys:
-# 9.4-9.8 -> 5.9-6.0 ms against the float32 FMA kernels; in L2, 4 rows, ns per key: QK 20.4 -> 12.6, PV 15.5 -> 10.9)
+# (NARROW) kernels of CPUs without AVX-512, where they beat the float32 FMA kernels
+# (docs/performance.md, "Kernel choices: the measurements")
 HAS_VNNI = {"0": False, "1": True}.get(os.environ.get("FIA_DECODE_VNNI", ""),
                                        _HOST_AVX2 if NARROW else _HOST_VNNI)
 I8_DOT = "AVX2 vpmaddwd" if NARROW else "AVX512-VNNI"     # the instruction, for fia.explain
@@ -155,8 +155,8 @@ def _pv_op(b, wsa, r0):
 
 
 # two rows' 16 channels interleaved byte by byte, channels 0-7 and 8-15 (`vpunpcklbw` / `vpunpckhbw`: one
-# 16-byte load per row for two chunks; Zen 3, pv_i8 in L2, ns per key: 4 rows 0.91-0.98x, 1-2 rows 0.83-0.91x of
-# an 8-byte load per row and chunk)
+# 16-byte load per row for two chunks, faster than an 8-byte load per row and chunk)
+# (docs/performance.md, "Kernel choices: the measurements")
 _PAIR_BYTES = [[x for i in range(h, h + 8) for x in (i, 16 + i)] for h in (0, 8)]
 
 

@@ -50,7 +50,8 @@ def _addr(t: Optional[torch.Tensor]):
     see kind_of), so one compiled kernel serves every dtype. t stays alive for the call (Inputs holds it)."""
     if t is None:
         return _DUMMY_ADDR
-    if t.is_contiguous():                         # the common case, without the span loop (~0.4 us)
+    # the common case, without the span loop (docs/performance.md, "Kernel choices: the measurements")
+    if t.is_contiguous():
         n = t.nbytes
         return (t.data_ptr(), n) if n else _DUMMY_ADDR
     n = 1

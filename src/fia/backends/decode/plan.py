@@ -26,9 +26,7 @@ CHUNK_FLOATS = 32768        # keys per chunk = CHUNK_FLOATS // head dim (256 for
 PARALLEL_MIN_WORK = 16384   # keys x rows below which one thread does everything (no pool hand-off)
 # The kernels' software prefetches (kernels.PREFETCH_POLICY) bet that K / V come from DRAM. A launch that
 # reads at most PREFETCH_MIN_BYTES of K / V runs without them: its data may well be cached (a call repeated), where
-# they only cost instructions. Zen 3, bf16, one query row per KV head, prefetch toggled in process: the
-# same call repeated, time without / with 0.80-0.98x at 512 KiB, 0.74-0.85x at 1 MiB, 0.62-0.75x at 2 MiB; a new
-# cache each call (from DRAM) level at 512 KiB and 1 MiB, 1.02-1.32x at 2 MiB, 1.08-1.18x at 128 MiB.
+# they only cost instructions (docs/performance.md, "Kernel choices: the measurements").
 PREFETCH_MIN_BYTES = 1 << 20
 
 
@@ -63,7 +61,8 @@ class Plan(NamedTuple):
     mp: np.ndarray          # merge's int parameters
     obase: np.ndarray       # [3, B] output row bases (see merge)
     out_size: tuple         # the canonical view of the output as allocated (in the output layout):
-    out_stride: tuple       # its size and strides, for one torch.empty_strided (empty + permute: ~2x the time)
+    out_stride: tuple       # its size and strides, for one torch.empty_strided (faster than empty + permute:
+    #                         docs/performance.md, "Kernel choices: the measurements")
     out_dtype: torch.dtype
     out_bytes: int
 

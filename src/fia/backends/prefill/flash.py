@@ -44,11 +44,8 @@ ROWS_PER_ITEM = 96  # query rows (GQA heads x positions) per work item
 # FIA_PREFILL_OWN: "0" never use this kernel, "1" always where eligible (emulated without AVX512-BF16 / F16C);
 # unset: bf16 where the CPU has AVX512-BF16 but not AMX-BF16, float16 where it has AVX-512 and F16C, float32
 # with AVX-512; all three without AVX-512 where AVX2, FMA and F16C are there (AVX2). With AMX, ATen's flash
-# kernel runs its bf16 GEMMs on the tiles: Intel Xeon with AMX, quick bench, bf16 causal / band / pse at 1024:
-# ATen 11.2 / 14.6 / 20.1 ms, this kernel 55.7 / 54.0 / 101.9 ms (fp16: 39.1 vs 43.2 ms, level, kept).
-# Without AVX-512 the 8-lane GEMMs, where ATen's kernel only matches SDPA: emulated Zen 3 (AVX2 code on the
-# AVX-512 EPYC), causal S = 2048, 32 / 8 heads: bf16 1.23-1.26x (S = 8192: 1.10x), fp16 1.78x, float32 1.13-1.22x SDPA
-# (docs/performance.md, "Prefill on AVX2 CPUs").
+# kernel runs its bf16 GEMMs on the tiles, faster than this kernel; without AVX-512, the 8-lane GEMMs, where ATen's
+# kernel only matches SDPA (docs/performance.md, "Prefill on AVX2 CPUs" and "Kernel choices: the measurements").
 _MODE = os.environ.get("FIA_PREFILL_OWN", "")
 AMX_BF16 = target_has("amx-tile", "amx-bf16")
 AVX2 = NARROW and target_has("avx2", "fma", "f16c")

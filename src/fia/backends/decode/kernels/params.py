@@ -30,42 +30,33 @@ FP4_SUB = 64
 # BUF_VTS, one byte per 32 channels); the generic loops run them (cpu.fma.KIND_BF16_EO is 5)
 KIND_FP4 = 6
 # ip[IP_DP] of a call (kernel choice): the bf16 dp kernels where the CPU has AVX512-BF16 (cpu.simd.HAS_DP),
-# the other stream prefetched by the IR kernels (DP_NTA: with prefetchnta, not prefetcht1: Zen 5, two
-# threads, interleaved A/B: int8 +8-13 %, paged bf16 +7-9 %, bf16 dense 0-4 %; fp16 -2-4 % without DP_AHEAD
-# but +7-22 % with it). (bf16 / fp16 / int8 K and V that the dp kernels do not take
+# the other stream prefetched by the IR kernels (DP_NTA: with prefetchnta, not prefetcht1, where that measured
+# faster). (bf16 / fp16 / int8 K and V that the dp kernels do not take
 # go through the float32 FMA kernels of cpu/fma.py when the head dim is a multiple of 16.)
 # int8 K / V use the 16-bit integer dot-product kernels of cpu/vnni.py where the CPU has AVX512-VNNI (or AVX2,
 # for the 8-lane kernels of CPUs without AVX-512).
-# DP_AHEAD: each kernel also requests its own rows AHEAD_BYTES ahead into L1 (at most 63 rows; Zen 5, two
-# threads, interleaved A/B against nta alone: bf16 dense +9-12 %, fp16 +7-25 %, int8 +9-13 %, paged +2-9 %;
-# the PV request for int8 V measured -4 % and is left out; 2 / 4 / 6 / 8 KB ahead: bf16 and int8 level,
-# fp16 best at 8 KB).
+# DP_AHEAD: each kernel also requests its own rows AHEAD_BYTES ahead into L1 (at most 63 rows; PV leaves it out
+# for int8 V, where it measured slower). The measurements behind each bit and policy below: docs/performance.md,
+# "Kernel choices: the measurements".
 DP_QK, DP_PV, DP_PREFETCH, DP_I8, DP_NTA, DP_AHEAD, DP_AMX, DP_AMX_ANY = 1, 2, 4, 8, 16, 32, 64, 128
 # DP_EO: the 8-lane FMA kernels (CPUs without AVX-512) widen bf16 K / V in even / odd halves
 # (cpu.fma.KIND_BF16_EO): the query rows de-interleaved per 16 channels, PV's accumulators restored at the end
 DP_EO = 256
 # DP_NO_PV_K: PV does not request the next chunk's K rows (QK still requests its chunk's V rows): the "-v"
 # policies below. The hardware prefetchers stream QK's K rows read front to back, not PV's passes over V
-# (32 bytes per row per pass): Zen 3, kernels alone from DRAM (4 rows, bf16, ns per key): QK 24.7
-# against 19.5 in L2, PV 52.9 against 16.7. What PV requests of the next K chunk competes with its own misses.
+# (32 bytes per row per pass): what PV requests of the next K chunk competes with its own misses
+# (docs/performance.md, "Kernel choices: the measurements").
 DP_NO_PV_K = 512
 # DP_TOUCH: items of several KV heads (IP_HB > 1) first read the chunk's rows of all their heads front to back
 # (touch_rows: demand loads, which the hardware prefetchers stream), then run each head's kernels on them from
 # the caches. One head's rows alone are 256 bytes every KV_N x 256 (BSH): no prefetcher streams that, and
-# software prefetches of them did not help (Zen 3, one thread, 256 MB: 256-byte rows every 2 KB
-# 7.0-7.5 GB/s with or without prefetcht1 4-64 rows ahead, every 512 bytes 7.5, contiguous 14.5-19; a copy of
-# all heads' rows in token order 12.4 GB/s against 3.5-3.9 head by head). Left out for launches that read at
-# most PREFETCH_MIN_BYTES (likely cached), as the prefetch bits.
+# software prefetches of them did not help (docs/performance.md, "Kernel choices: the measurements"). Left out for
+# launches that read at most PREFETCH_MIN_BYTES (likely cached), as the prefetch bits.
 DP_TOUCH = 1024
-# Which prefetch policy pays depends on the CPU (two threads, bench shapes, same code, GB/s):
-# * AMD Zen 5: nta + ahead 37-43, t1 alone 33-36 -> "nta+ahead";
-# * Intel Xeon with AMX: t1 alone 20-22.6, t1 + ahead 19-20, nta 18-21, nta + ahead 8.3-8.9
-#   (prefetchnta lines land in L1 only there and are evicted before the use a chunk later), none 14.5-15 -> "t1".
-# * AMD Zen 3, AVX2 only (in process, alternating rounds, time against nta + ahead): nta-v bf16 two
-#   threads 0.93 (40 rounds) / 0.95 (30), one thread 0.90 (30); int8 0.96 / one thread 0.93; fp16 0.98; paged
-#   bf16 / fp16 1.04 / 0.97 (20); nta alone 1.04; the pipeline of the two kernels from DRAM 0.81-0.83 -> "nta-v".
-# The default follows the vendor (sse4a: AMD only) and, on AMD, AVX-512 (Zen 4 / 5 vs Zen 3); FIA_DECODE_PREFETCH
-# overrides it.
+# Which prefetch policy pays depends on the CPU: "nta+ahead" on AMD with AVX-512, "t1" on Intel (prefetchnta lines
+# land in L1 only there and are evicted before the use a chunk later), "nta-v" on AMD with AVX2 only
+# (docs/performance.md, "Kernel choices: the measurements").
+# The default follows the vendor (sse4a: AMD only) and, on AMD, AVX-512; FIA_DECODE_PREFETCH overrides it.
 PREFETCH_POLICIES = {"off": 0, "t1": DP_PREFETCH, "t1+ahead": DP_PREFETCH | DP_AHEAD,
                      "nta": DP_PREFETCH | DP_NTA, "nta+ahead": DP_PREFETCH | DP_NTA | DP_AHEAD,
                      "t1-v": DP_PREFETCH | DP_NO_PV_K, "nta-v": DP_PREFETCH | DP_NTA | DP_NO_PV_K}
@@ -77,22 +68,16 @@ if PREFETCH_POLICY not in PREFETCH_POLICIES:     # a typo must not break `import
                   f"{PREFETCH_POLICY!r}; using {PREFETCH_DEFAULT!r}", RuntimeWarning, stacklevel=2)
     PREFETCH_POLICY = PREFETCH_DEFAULT
 # DP_AMX: the bf16 dp kernels run their whole 16-key blocks on AMX tiles (cpu/amx.py) where the CPU has them,
-# for items of AMX_MIN_ROWS query rows or more (DP_AMX_ANY: any count; tests). Intel Xeon with AMX, two threads, KV
-# from DRAM, AMX vs dp: 4 rows (GQA 4, one token) -3 % (QK alone -11 %: its tile loads from DRAM stall
-# the core although it computes twice as fast in L2: 19.4 vs 30 ns per key and KV head), 8 rows +18 %,
-# 16 rows +60 %.
+# for items of AMX_MIN_ROWS query rows or more (DP_AMX_ANY: any count; tests): below that, the tile loads from DRAM
+# stall the core more than the faster compute gains (docs/performance.md, "Kernel choices: the measurements").
 AMX_MIN_ROWS = 8
 # DP_F32: float32 K / V (portable mode) run the cpu/fma.py kernels too (a plain load where the other kinds widen);
 # without it the generic loops (load_rows into a float32 chunk, qk_block / pv_block), which never prefetch. Whatever
 # the policy, they prefetch as "t1+ahead" (kernel_flags; only "off" turns it off): a float32 chunk is twice a bf16
 # one (128 KB of K and of V at D = 128), and prefetchnta (into L1) or t0 lines of the other stream are evicted before
-# their use. Kernels alone, 4 rows, D = 128, 128 MB of K / V from DRAM, two threads, one process (AVX-512 host): t1
-# 10.6 GB/s, nta 5.3, nta + ahead 5.6, no prefetch 7.6; PV requesting nothing 0.88-0.93x of t1 (also on the 8-lane
-# AVX2 kernels). Whole calls, B = 4, 32 / 8 heads of 128, 4096 keys, emulated Zen 3 (8 lanes): t1 + ahead 1.20x t1.
-# Their items of several KV heads (IP_HB) run no touch pass (DP_TOUCH): it reads a float32 chunk (2 MB of K and V
-# at 8 heads of 128) with nothing to overlap; the heads' kernels request their own rows as for one head (BSND,
-# B = 4, 32 / 8 heads of 128, 4096 keys, without the pass: 1.08-1.11x faster on the AVX-512 host, 1.02-1.04x
-# emulating Zen 3).
+# their use. Their items of several KV heads (IP_HB) run no touch pass (DP_TOUCH): it reads a float32 chunk (2 MB
+# of K and V at 8 heads of 128) with nothing to overlap; the heads' kernels request their own rows as for one head
+# (docs/performance.md, "Kernel choices: the measurements").
 DP_F32 = 2048
 # FIA_DECODE_TOUCH=0 turns DP_TOUCH off, FIA_DECODE_F32=0 DP_F32 (A / B measurements)
 DP_FLAGS = ((DP_QK | DP_PV if HAS_DP else 0) | (DP_I8 if HAS_VNNI else 0) | (DP_AMX if HAS_AMX else 0)

@@ -115,9 +115,9 @@ def nz_pack(buf, offs, n, es, d, fs, fw, dst):
     src = buf.ctypes.data
     out = dst.ctypes.data
     if fb == 32 and nf <= 8:                           # every NZ cache of SPEC 8b: 32 int8 or 16 bf16 / fp16;
-        for c in range(n):                             # row by row for few fragments (int8 D = 128: 1.5x the
-            o = src + offs[c] * es                     # rate of columns outside), else column by column (MLA
-            t = out + c * rb                           # D = 512: 32 streams; 1.3x the rate of rows outside)
+        for c in range(n):                             # row by row for few fragments, else column by column
+            o = src + offs[c] * es                     # (MLA D = 512: 32 streams), whichever measured faster
+            t = out + c * rb                           # (docs/performance.md, "Kernel choices: the measurements")
             for f in range(nf):
                 copy32(t + f * 32, o + f * fsb)
     elif fb == 32:
