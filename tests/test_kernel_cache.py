@@ -16,6 +16,9 @@ from pathlib import Path
 
 import pytest
 
+import fia.backends.decode.kernels  # each kernel module declares its dependencies (kernel_cache.install)
+import fia.backends.prefill.kernels
+import fia.backends.prefill.pse_kernels  # noqa: F401
 from fia.cpu import kernel_cache as KC
 
 pytestmark = pytest.mark.backend_independent      # the cache guard: run once, not per backend (conftest)
@@ -54,6 +57,7 @@ def test_dependencies_are_complete(module):
 def test_hash_changes_with_a_dependency(tmp_path):
     """The hash follows the bytes of every listed file (not just their names)."""
     module = "backends/prefill/kernels.py"
+    KC.sources_sha.cache_clear()                  # (read once per process: the files may have changed since)
     for name in KC.DEPENDENCIES[module]:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_bytes((KC.PACKAGE / name).read_bytes())

@@ -139,3 +139,19 @@ def test_the_checks_see_imports():
     assert "fia.problem.attention" in GRAPH["fia.backends.base"]
     assert "fia.cpu.numerics" in GRAPH["fia.backends.prefill.kernels"]
     assert "fia.backends.decode.kernels.params" in GRAPH["fia.backends.decode.kernels.items"]
+
+
+def test_cpu_names_no_backend():
+    """fia.cpu is the kernel mechanism: no string in its code names a backend module or path (each backend
+    registers its kernel sets, each kernel module declares what it embeds)."""
+    bad = []
+    for m, path in MODULES.items():
+        if not m.startswith("fia.cpu"):
+            continue
+        tree = ast.parse(path.read_text())
+        docs = {id(n.body[0].value) for n in ast.walk(tree)
+                if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef)) and n.body
+                and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        bad += [f"{m}: {n.value!r}" for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                and id(n) not in docs and ("backends." in n.value or "backends/" in n.value)]
+    assert not bad, "\n".join(bad)

@@ -292,7 +292,7 @@ def test_softmax_exp_helpers():
     """fexp2 (the prefill softmax's exp) against float64 over its range, -inf / NaN / underflow; round_bf16_value
     against torch's bf16 rounding (ties to even); the scaled difference stays unfused under fastmath: the row's
     maximum gives exactly 0 even where the product's rounding error is ~1e23."""
-    from fia.backends.decode.kernels import FM, fexp2, round_bf16_value
+    from fia.cpu.numerics import FM, fexp2, round_bf16_value
     from fia.cpu.simd import mul_exact, sub_exact
 
     @njit(fastmath=FM)

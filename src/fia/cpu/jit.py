@@ -26,7 +26,6 @@ building the same set serialize on a lock file beside the cache, the second one 
 from __future__ import annotations
 
 import importlib
-import inspect
 import logging
 import os
 import subprocess
@@ -83,25 +82,8 @@ KERNEL_SETS: Dict[str, KernelSet] = {}
 
 
 def register(ks: KernelSet) -> None:
+    """Declare a kernel set (each compiled backend declares its own, where it is defined)."""
     KERNEL_SETS[ks.name] = ks
-
-
-def _generic_items(fn, sig) -> bool:
-    """attend_items built with its generic float32 loops (its argument `generic` an array, not None)."""
-    return str(sig[list(inspect.signature(fn).parameters).index("generic")]) != "none"
-
-
-register(KernelSet("decode", "fia.backends.decode.kernels",
-                   ("kernel_flags", "split_work", "fill_factors", "attend_items", "merge", "attend_merge"),
-                   "fia.kernel_warmup:run_decode"))
-# int4 K or V, MLA rope, head dims not multiples of 16: attend_items' second build (about half the
-# decode build's compile time), needed by few calls
-register(KernelSet("decode-generic", "fia.backends.decode.kernels", ("attend_items",),
-                   "fia.kernel_warmup:run_decode_generic", _generic_items))
-register(KernelSet("prefill", "fia.backends.prefill.kernels", ("pack_items", "flash_items"),
-                   "fia.kernel_warmup:run_prefill"))
-register(KernelSet("prefill-pse", "fia.backends.prefill.pse_kernels", ("row_stats",),
-                   "fia.kernel_warmup:run_prefill_pse"))
 
 
 # ---------------------------------------------------------------------------------------------- state

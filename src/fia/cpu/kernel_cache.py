@@ -21,14 +21,9 @@ from typing import Optional
 
 PACKAGE = Path(__file__).resolve().parent.parent          # src/fia
 
-# kernel module or package ("folder/", path in the package) -> the files whose code its compiled functions embed
-DEPENDENCIES = {
-    "backends/decode/kernels/": ("cpu/numerics.py", "cpu/simd.py", "cpu/fma.py", "cpu/vnni.py", "cpu/amx.py",
-                                 "cpu/fp4.py"),
-    "backends/prefill/kernels.py": ("cpu/numerics.py", "cpu/simd.py", "cpu/fma.py", "cpu/vnni.py", "cpu/amx.py",
-                                    "cpu/gemm.py", "cpu/gemm_narrow.py", "cpu/fp4.py"),
-    "backends/prefill/pse_kernels.py": (),
-}
+# kernel module or package ("folder/", path in the package) -> the files whose code its compiled functions embed;
+# each kernel module declares its own (install)
+DEPENDENCIES: dict = {}
 
 
 def _files(module: str, root: Path) -> list:
@@ -60,9 +55,13 @@ def module_of(py_file: str):
     return folder if folder in DEPENDENCIES else None
 
 
-def install() -> None:
-    """Put the locator in front of Numba's (idempotent)."""
+def install(module: Optional[str] = None, dependencies: tuple = ()) -> None:
+    """Put the locator in front of Numba's (idempotent); with `module` (a kernel module's path in the package, or a
+    kernel package's "folder/"), declare the files its compiled functions embed."""
     from numba.core.caching import CacheImpl, _CacheLocator
+
+    if module is not None:
+        DEPENDENCIES[module] = tuple(dependencies)
 
     if any(getattr(c, "_fia", False) for c in CacheImpl._locator_classes):
         return

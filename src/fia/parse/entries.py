@@ -90,11 +90,12 @@ def unknown_keyword(api: str, name: str, known=()):
     """The input error of a keyword `name` that entry point `api` does not take (every path raises this one:
     eager, meta / fake tensors, tracing); `known`: its keywords, for a close match in the hint."""
     from ..errors import input_error
-    if api == "npu_fused_infer_attention_score_v2" and name in FUSED_DEFAULTS:
+    v2 = "attention_score_v2" in api                 # (the function, its .out and its workspace query)
+    if v2 and name in FUSED_DEFAULTS:
         return input_error(name, "an argument of npu_fused_infer_attention_score_v2 (it is only reachable "
                            "through npu_fused_infer_attention_score)", "a value",
                            "call npu_fused_infer_attention_score for this feature")
-    if api != "npu_fused_infer_attention_score_v2" and V2_MAP.get(name) in known:   # a v2 name in a v1 call
+    if not v2 and V2_MAP.get(name) in known:         # a v2 name in a v1 call
         hint = f"did you mean {V2_MAP[name]}? {name} is npu_fused_infer_attention_score_v2's name for it"
     else:
         close = difflib.get_close_matches(name, list(known), n=1)

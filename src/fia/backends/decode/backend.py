@@ -32,10 +32,12 @@ dimension is not contiguous.
 """
 from __future__ import annotations
 
+import inspect
 from typing import List, Optional
 
 import torch
 
+from ...cpu import jit
 from ...problem.attention import AttentionProblem
 from ..base import PRIORITY_DECODE, PRIORITY_PREFILL, Backend, BackendResult, Capabilities, kv_tensors
 from ..reference import ReferenceBackend
@@ -49,6 +51,21 @@ from .replay import Replay, prepare
 MAX_Q_S = 16
 PREFILL_ROWS = 128          # Q_S > 1 with more rows per KV head than this: prefer the prefill backend
 _KERNEL_SETS = ("decode",)  # fia.cpu.jit: the decode kernels' entry points every call runs
+
+
+def _generic_items(fn, sig) -> bool:
+    """attend_items built with its generic float32 loops (its argument `generic` an array, not None)."""
+    return str(sig[list(inspect.signature(fn).parameters).index("generic")]) != "none"
+
+
+# the backend's kernel sets (fia.cpu.jit), their warm-up calls in fia.kernel_warmup (made through the public API)
+jit.register(jit.KernelSet("decode", "fia.backends.decode.kernels",
+                           ("kernel_flags", "split_work", "fill_factors", "attend_items", "merge", "attend_merge"),
+                           "fia.kernel_warmup:run_decode"))
+# int4 K or V, MLA rope, head dims not multiples of 16: attend_items' second build (about half the
+# decode build's compile time), needed by few calls
+jit.register(jit.KernelSet("decode-generic", "fia.backends.decode.kernels", ("attend_items",),
+                           "fia.kernel_warmup:run_decode_generic", _generic_items))
 _KERNEL_SETS_GENERIC = ("decode", "decode-generic")
 
 

@@ -43,6 +43,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from ... import caches
+from ...cpu import jit
 from ...problem.attention import MASK_FILL, AttentionProblem
 from . import flash as prefill_flash
 from ..base import PRIORITY_PREFILL, Backend, BackendResult, Capabilities
@@ -97,6 +98,13 @@ class PrefillPlan(NamedTuple):
     out_dtype: torch.dtype          # the canonical output's (the compute dtype where the output is quantized)
     one_call: Optional[int]         # FULL / CAUSAL: one kernel call may cover the problem (_one_call); else None
     batches: tuple                  # the batches with query rows and keys
+
+
+# the backend's kernel sets (fia.cpu.jit), their warm-up calls in fia.kernel_warmup (made through the public API)
+jit.register(jit.KernelSet("prefill", "fia.backends.prefill.kernels", ("pack_items", "flash_items"),
+                           "fia.kernel_warmup:run_prefill"))
+jit.register(jit.KernelSet("prefill-pse", "fia.backends.prefill.pse_kernels", ("row_stats",),
+                           "fia.kernel_warmup:run_prefill_pse"))
 
 
 class PrefillBackend(Backend):

@@ -35,7 +35,8 @@ ROWS, COLS = (gemm_narrow.ROWS, gemm_narrow.COLS) if NARROW else (gemm.ROWS, gem
 _GEMM_F16, _GEMM_F32 = (gemm_f16n, gemm_f32n) if NARROW else (gemm_f16, gemm_f32)
 
 # Numba's cache of these kernels also follows the files whose code they embed (cpu/kernel_cache.py)
-kernel_cache.install()
+kernel_cache.install("backends/prefill/kernels.py", ("cpu/numerics.py", "cpu/simd.py", "cpu/fma.py", "cpu/vnni.py",
+                                                     "cpu/amx.py", "cpu/gemm.py", "cpu/gemm_narrow.py", "cpu/fp4.py"))
 
 LOG2E = np.float32(1.4426950408889634)
 

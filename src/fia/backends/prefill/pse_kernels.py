@@ -21,7 +21,7 @@ from numba import njit
 
 from ...cpu import kernel_cache
 
-kernel_cache.install()                  # the cache locator (cpu/kernel_cache.py), as for every kernel module
+kernel_cache.install("backends/prefill/pse_kernels.py", ())                  # the cache locator (cpu/kernel_cache.py), as for every kernel module
 
 
 @njit(nogil=True, cache=True)

@@ -42,6 +42,7 @@ Integer parameters travel in one int64 array `ip` (params.py) to keep the call o
 """
 from __future__ import annotations
 
+from ....cpu import kernel_cache
 from ....cpu.numerics import (FM, bf16_to_f32, f32_to_bf16_bits, f32_to_half_bits, fexp, fexp2,  # noqa: F401
                               fp16_to_f32, _f32_to_half_bits_sw, _fp16_bits_to_f32)
 from .dequant import fill_factors  # noqa: F401
@@ -51,3 +52,8 @@ from .params import *  # noqa: F403 -- the launch layout and kernel choice (IP_*
 from .rows import fp4_rows, load_rows  # noqa: F401
 from .generic import qk_fused  # noqa: F401
 from .softmax import quant_i16, softmax_chunk  # noqa: F401
+
+# what the package's compiled functions embed besides its own modules (cpu/kernel_cache.py; numba reads it when a
+# kernel is first compiled or loaded, after this import)
+kernel_cache.install("backends/decode/kernels/", ("cpu/numerics.py", "cpu/simd.py", "cpu/fma.py", "cpu/vnni.py",
+                                                  "cpu/amx.py", "cpu/fp4.py"))
