@@ -157,7 +157,7 @@ def _plan(p: AttentionProblem, x: Inputs, K, threads: int) -> Plan:
         own.append(_launch_plan(src, ip, K, wk, w0, w1, H, R0, threads, keys, _pv_dp(p)) if w1 > w0 else None)
 
     # ---- shared prefix: batches grouped, the prefix read once per group (SPEC 7)
-    prefix, pwrange, Rp = None, wrange[:, :1], R0
+    prefix, pwrange, Rp = None, np.ascontiguousarray(wrange[:, :1]), R0     # (one kernel layout: C)
     if P > 0:
         Rp = bpg * R0
         phb = _heads_per_item((x.prefix,), H)
@@ -282,7 +282,7 @@ def relength(plan: Plan, p: AttentionProblem, kv_lens: np.ndarray, K, threads: i
     if flags != ip[K.IP_DP]:                      # (the prefetch choice follows the bytes read)
         ip = ip.copy()
         ip[K.IP_DP] = flags
-    return plan._replace(geo=geo, W=W, wrange=wrange, pwrange=wrange[:, :1],
+    return plan._replace(geo=geo, W=W, wrange=wrange, pwrange=np.ascontiguousarray(wrange[:, :1]),
                          own=[launch._replace(ip=ip, work=work, w0=0, w1=W, items=items, threads=t)])
 
 

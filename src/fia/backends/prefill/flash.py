@@ -77,7 +77,10 @@ def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[t
 
 
 def _bits(x: torch.Tensor) -> np.ndarray:
-    """NumPy view (same strides) of a tensor's elements: uint16 bits of bf16 / float16, float32 as is."""
+    """NumPy view of a tensor's elements: uint16 bits of bf16 / float16, float32 as is. Always C-contiguous (a
+    strided view is copied first, O(its elements), against the kernel's O(L x S) work): the kernels are compiled
+    for one layout per dtype, which `fia.warmup` builds, so no call compiles a strided variant inside the call."""
+    x = x.contiguous()
     if x.dtype == torch.float32:
         return x.numpy()
     return x.view(torch.int16).numpy().view(np.uint16)
@@ -93,11 +96,12 @@ def _flat_out(out: torch.Tensor):
     return _bits(dense.reshape(-1)), np.array(out.stride()[:3], np.int64)
 
 
-def _mask_flat(mask: Optional[torch.Tensor], shape):
+def _mask_flat(mask: Optional[torch.Tensor], shape, dtype: torch.dtype):
     """(1-D NumPy view (_bits) of the elements the mask broadcast to `shape` addresses, int64 [4]: element
-    strides of its batch / head / row dims, then 1 when there is a mask, else 0)."""
+    strides of its batch / head / row dims, then 1 when there is a mask, else 0). Without a mask, a dummy of the
+    query's `dtype` (a mask has it): one kernel signature per dtype."""
     if mask is None:
-        return np.zeros(1, np.uint16), np.zeros(4, np.int64)
+        return np.zeros(1, np.float32 if dtype == torch.float32 else np.uint16), np.zeros(4, np.int64)
     m = mask.expand(shape)
     return _bits(_flat(m)), np.array([*m.stride()[:3], 1], np.int64)
 
@@ -158,7 +162,7 @@ def flash(q, k, v, is_causal: bool, mask: Optional[torch.Tensor], scale: float, 
     o_flat, o_str = _flat_out(out)
     if lse is None:
         lse = torch.empty((Bq, N, L), dtype=torch.float32)        # [Bq, N, L]
-    mk, ms = _mask_flat(mask, (Bq, N, L, S))
+    mk, ms = _mask_flat(mask, (Bq, N, L, S), q.dtype)
     if user_mask is not None and tuple(user_mask.shape) != (L, S):
         raise ValueError(f"user_mask: expected shape {(L, S)}, got {tuple(user_mask.shape)}")
     QB = max(1, ROWS_PER_ITEM // G)
