@@ -18,6 +18,8 @@ from .fma import F16C
 
 # fastmath without nnan / ninf: NaN and Inf in the inputs must propagate (SPEC 14)
 FM = {"reassoc", "contract", "nsz", "arcp"}
+
+
 @intrinsic
 def addr_ptr(typingctx, addr):
     """int64 address -> void* (the caller keeps the memory alive for the call)."""
@@ -26,6 +28,8 @@ def addr_ptr(typingctx, addr):
     def codegen(context, builder, signature, args):
         return builder.inttoptr(args[0], ir.IntType(8).as_pointer())
     return sig, codegen
+
+
 @intrinsic
 def fetch_add(typingctx, arr, idx, val):
     """Atomic arr[idx] += val on an int64 array; returns the old value (work sharing between threads)."""
@@ -39,6 +43,8 @@ def fetch_add(typingctx, arr, idx, val):
         ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]])
         return builder.atomic_rmw("add", ptr, args[2], "monotonic")
     return sig, codegen
+
+
 @intrinsic
 def copy32(typingctx, dst, src):
     """Copy the 32 bytes at address src to address dst (one unaligned vector load and store)."""
@@ -50,20 +56,28 @@ def copy32(typingctx, dst, src):
         builder.store(v, builder.inttoptr(args[0], vt), align=1)
         return context.get_dummy_value()
     return sig, codegen
+
+
 @njit(nogil=True, cache=True, inline="always")
 def claim(items, counter):
     """The next entry of `items` for the calling thread (the threads of a launch share the atomic `counter`:
     dynamic scheduling), or -1 when none is left."""
     t = fetch_add(counter, 0, 1)
     return items[t] if t < items.shape[0] else -1
+
+
 @njit(cache=True, inline="always")
 def buf_bytes(bufs, k):
     """Buffer k as a uint8 array (no copy)."""
     return carray(addr_ptr(bufs[0, k]), (bufs[1, k],), np.uint8)
+
+
 @njit(cache=True, inline="always")
 def buf_f32(bufs, k):
     """Buffer k as a float32 array (no copy)."""
     return carray(addr_ptr(bufs[0, k]), (bufs[1, k] // 4,), np.float32)
+
+
 @intrinsic
 def u32_as_f32(typingctx, x):
     sig = types.float32(types.uint32)
@@ -71,6 +85,8 @@ def u32_as_f32(typingctx, x):
     def codegen(context, builder, signature, args):
         return builder.bitcast(args[0], ir.FloatType())
     return sig, codegen
+
+
 @intrinsic
 def f32_as_u32(typingctx, x):
     sig = types.uint32(types.float32)
@@ -78,9 +94,13 @@ def f32_as_u32(typingctx, x):
     def codegen(context, builder, signature, args):
         return builder.bitcast(args[0], ir.IntType(32))
     return sig, codegen
+
+
 @njit(fastmath=FM, cache=True, inline="always")
 def bf16_to_f32(h):
     return u32_as_f32(np.uint32(np.uint32(h) << np.uint32(16)))
+
+
 @intrinsic
 def _half_bits_to_f32(typingctx, x):
     """IEEE half bits -> float32 through LLVM's `fpext half` (one vcvtph2ps per 8 values with F16C)."""
@@ -89,6 +109,8 @@ def _half_bits_to_f32(typingctx, x):
     def codegen(context, builder, signature, args):
         return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
     return sig, codegen
+
+
 @njit(fastmath=FM, cache=True, inline="always")
 def _fp16_bits_to_f32(h):
     """IEEE half bits -> float32 by integer arithmetic (CPUs without F16C), exact for normals,
@@ -101,10 +123,14 @@ def _fp16_bits_to_f32(h):
     if em >= np.uint32(0x7C00):                      # inf / nan: all-ones exponent, payload kept
         f = u32_as_f32(np.uint32((em << np.uint32(13)) | np.uint32(0x7F800000)))
     return u32_as_f32(np.uint32(f32_as_u32(f) | ((x & np.uint32(0x8000)) << np.uint32(16))))
+
+
 @njit(fastmath=FM, cache=True, inline="always")
 def _fp16_hw_to_f32(h):
     return _half_bits_to_f32(np.uint16(h))
 fp16_to_f32 = _fp16_hw_to_f32 if F16C else _fp16_bits_to_f32
+
+
 @intrinsic
 def _f32_to_half_bits(typingctx, x):
     """float32 -> IEEE half bits (round to nearest even; vcvtps2ph with F16C)."""
@@ -113,6 +139,8 @@ def _f32_to_half_bits(typingctx, x):
     def codegen(context, builder, signature, args):
         return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
     return sig, codegen
+
+
 @njit(fastmath=FM, cache=True, inline="always")
 def _f32_to_half_bits_sw(x):
     """float32 -> IEEE half bits, round to nearest even, by integer arithmetic (targets without F16C, where
@@ -130,10 +158,14 @@ def _f32_to_half_bits_sw(x):
         odd = (a >> np.uint32(13)) & np.uint32(1)
         o = (a + np.uint32(0xC8000FFF) + odd) >> np.uint32(13)   # rebias exponent (-112 << 23), round
     return np.uint16(o | sign)
+
+
 @njit(fastmath=FM, cache=True, inline="always")
 def _f32_to_half_bits_hw(x):
     return _f32_to_half_bits(x)
 f32_to_half_bits = _f32_to_half_bits_hw if F16C else _f32_to_half_bits_sw
+
+
 @njit(fastmath=FM, cache=True, inline="always")
 def f32_to_bf16_bits(x):
     """float32 -> bfloat16 bits, round to nearest even; NaN stays a (quiet) NaN."""
@@ -142,6 +174,8 @@ def f32_to_bf16_bits(x):
         return np.uint16((u >> np.uint32(16)) | np.uint32(0x40))
     u = u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
     return np.uint16(u >> np.uint32(16))
+
+
 @njit(fastmath=FM, cache=True, inline="always")
 def fexp(x):
     """exp(x) in float32 for x <= 0 (vectorizable; rel. error ~1e-7). NaN propagates; x < -87 -> 0."""
@@ -159,6 +193,8 @@ def fexp(x):
     e = u32_as_f32(np.uint32((np.int32(t) + np.int32(127)) << np.int32(23)))
     v = p * e
     return np.float32(0.0) if x < np.float32(-87.0) else v
+
+
 @njit(fastmath=FM, cache=True, inline="always")
 def fexp2(t):
     """2^t in float32 (vectorizable, ~10 vector operations per 8 values; rel. error < 2.5e-7): a degree-5
@@ -176,6 +212,8 @@ def fexp2(t):
     p = p * f + np.float32(1.0000001192092896)
     v = u32_as_f32(f32_as_u32(p) + np.uint32(np.int32(fi) << np.int32(23)))
     return np.float32(0.0) if t < np.float32(-125.0) else v
+
+
 @njit(fastmath=FM, cache=True, inline="always")
 def round_bf16_value(x):
     """x rounded to the nearest bf16 value (ties to even), as float32, without a NaN test: a NaN may come out

@@ -83,6 +83,8 @@ def fill_factors(specs, kchan, vcs, vco):
                 if not x <= EXC_FACTOR:
                     bad = True
     return bad
+
+
 @njit(fastmath=FM, cache=True)
 def token_scales(tbl, i, h, c0, n, tb, s_blk, s_h, s_s, mode, sc, off, dst_s, dst_o):
     """Per-token dequant factors of the chunk's keys [c0, c0 + n) of query group i, KV head h: scale into
@@ -103,6 +105,8 @@ def token_scales(tbl, i, h, c0, n, tb, s_blk, s_h, s_s, mode, sc, off, dst_s, ds
         if sl == tb:
             sl = 0
             bi += 1
+
+
 @njit(fastmath=FM, cache=True, inline="always")
 def exceptional(sc, off, mode, n):
     """Whether a token of the chunk (< n) has per-token factors outside EXC_FACTOR (see there; NaN included).
@@ -115,6 +119,8 @@ def exceptional(sc, off, mode, n):
         for c in range(np.uint64(n)):
             bad += 0 if abs(sc[c]) * np.float32(128.0) <= EXC_FACTOR else 1
     return bad != 0
+
+
 @njit(fastmath=FM, cache=True, inline="always")
 def exceptional_row(c, sc, off, mode, x8, x16, x32, xfl, kind, xoff, D, dst, offs):
     """Whether token c's dequant factors are exceptional (past EXC_FACTOR); if so dst[0, :D] = its row dequantized
@@ -128,6 +134,8 @@ def exceptional_row(c, sc, off, mode, x8, x16, x32, xfl, kind, xoff, D, dst, off
     for d in range(D):
         dst[0, d] = (dst[0, d] + o) * t
     return True
+
+
 @njit(fastmath=FM, cache=True)
 def exact_key_tokens(s, R, n, sc, off, mode, kbuf, k_kind, koff, qraw, D, scale, kf, offs):
     """The scores s[:R, c] of the chunk's exceptional key tokens c (exceptional), as the reference computes them:
@@ -142,6 +150,8 @@ def exact_key_tokens(s, R, n, sc, off, mode, kbuf, k_kind, koff, qraw, D, scale,
             for d in range(D):
                 a += qraw[r, d] * kf[0, d]
             s[r, c] = a * scale
+
+
 @njit(fastmath=FM, cache=True)
 def exact_value_tokens(s, R, n, sc, off, mode, vbuf, v_kind, voff, Dv, tacc, vf, offs):
     """The chunk's exceptional value tokens c (exceptional): tacc[r, :] += w[r, c] * ((v + offset) * scale_c), the
@@ -158,6 +168,8 @@ def exact_value_tokens(s, R, n, sc, off, mode, vbuf, v_kind, voff, Dv, tacc, vf,
             s[r, c] = np.float32(0.0)
         sc[c] = np.float32(0.0)
         off[c] = np.float32(0.0)
+
+
 @njit(fastmath=FM, cache=True, inline="always")
 def _i8_tokens_ok(qerr, tsk, n):
     """Whether the int16 query keeps the chunk's scores within I8_QK_MAX_ERR under its per-token key scales

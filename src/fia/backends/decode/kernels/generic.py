@@ -67,6 +67,8 @@ def qk_block(q, kf, s, R, n, dq):
                 a0 += q[r, d] * kf[c, d]
             s[r, c] = a0
             c += 1
+
+
 @njit(fastmath=FM, cache=True)
 def pv_block(p, vf, acc, R, n, dv):
     """acc[r, :dv] += sum_c p[r, c] * vf[c, :dv] (2 rows x 4 keys per block)."""
@@ -95,11 +97,15 @@ def pv_block(p, vf, acc, R, n, dv):
             for d in range(dv):
                 acc[r, d] += pr * vf[c, d]
         c += 1
+
+
 # bf16 / fp16 / int8 K and V straight from the cache: each element is widened where it is used, the
 # 4 query rows of a block share every widened K/V vector (no conversion pass, no float32 chunk).
 def cvt(buf, i, kind):
     """float32 of element i of a buffer whose element type says the format: uint16 = bf16, int16 =
     fp16 (bit patterns), int8 = int8. Resolved at compile time: no per-element branch."""
+
+
 @overload(cvt, jit_options={"fastmath": FM})
 def _cvt_impl(buf, i, kind):
     if buf.dtype == types.uint16:
@@ -115,6 +121,8 @@ def _cvt_impl(buf, i, kind):
             return np.float32(buf[i])
         return impl
     return None
+
+
 @njit(fastmath=FM, cache=True)
 def qk_fused(q, buf, kind, offs, n, s, R, D):
     """s[r, c] = q[r, :D] . K[c, :D] with key c at element offs[c] of buf (blocks: 4 rows x 2 keys)."""
@@ -169,6 +177,8 @@ def qk_fused(q, buf, kind, offs, n, s, R, D):
             s[r, c] = a0
             c += 1
         r += 1
+
+
 @njit(fastmath=FM, cache=True)
 def pv_fused(p, buf, kind, offs, n, acc, R, Dv):
     """acc[r, :Dv] += sum_c p[r, c] * V[c, :Dv] with value c at element offs[c] of buf

@@ -526,6 +526,8 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
     sinks[0] = sink                                        # (keeps the touch loads)
     fetch_add(stats, 0, n_i8)
     fetch_add(stats, 1, n_qk)
+
+
 @njit(nogil=True, fastmath=FM, cache=True)
 def attend_items(items, counter, ip, fp, geo, work, tbl, bufs, kchan, kt_tbl, vt_tbl, po, pm, pl, pany,
                  generic, stats):

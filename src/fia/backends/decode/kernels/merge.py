@@ -50,6 +50,8 @@ def split_work(lens, lo, H, threads, C, min_split, per_thread):
             w += 1
         wrange[1, i] = w
     return work, wrange
+
+
 @njit(fastmath=FM, cache=True, inline="always")
 def _partials_max(pm, pl, w0, w1, h, r, M):
     """max(M, the maxima of the non-empty partials w0 <= w < w1 of row r, head h); NaN wins."""
@@ -60,6 +62,8 @@ def _partials_max(pm, pl, w0, w1, h, r, M):
             if x > M or x != x:
                 M = x
     return M
+
+
 @njit(fastmath=FM, cache=True, inline="always")
 def _partials_sum(pm, pl, pany, w0, w1, h, r, M, lk, seen):
     """The sum of weights lk of the partials w0 <= w < w1 of row r, head h, rescaled to the maximum M, and whether
@@ -71,6 +75,8 @@ def _partials_sum(pm, pl, pany, w0, w1, h, r, M, lk, seen):
         if pany[w, h, r] != 0:
             seen = 1
     return lk, seen
+
+
 @njit(fastmath=FM, cache=True, inline="always")
 def _partials_add(po, pm, pl, w0, w1, h, r, M, inv, o, Dv):
     """o[:Dv] += the partials w0 <= w < w1 of row r, head h, rescaled to the maximum M and divided by the total
@@ -81,6 +87,8 @@ def _partials_add(po, pm, pl, w0, w1, h, r, M, inv, o, Dv):
             f = np.float32(np.exp(pm[w, h, r] - M)) * inv
             for d in range(Dv):
                 o[d] += po[w, h, r, d] * f
+
+
 @njit(nogil=True, fastmath=FM, cache=True)
 def merge(mp, geo, po, pm, pl, pany, wrange, ppo, ppm, ppl, ppany, pwrange, sink, vcs, vco, obase, obufs):
     """Combine the partials of every row; normalize; dequantize per-channel V; special rows.
@@ -184,6 +192,8 @@ def merge(mp, geo, po, pm, pl, pany, wrange, ppo, ppm, ppl, ppany, pwrange, sink
                     o[d] = (o[d] + vco[h, d] * lw) * vcs[h, d]
             _store(of, oh, okind, ob, o, Dv)
             lse[lb] = M + np.float32(np.log(lt))
+
+
 @njit(fastmath=FM, cache=True, inline="always")
 def _store(of, oh, okind, ob, o, Dv):
     """One output row: float32, or rounded to bf16 / fp16 (round to nearest even, like torch)."""
@@ -196,6 +206,8 @@ def _store(of, oh, okind, ob, o, Dv):
     else:
         for d in range(Dv):
             oh[ob + d] = f32_to_half_bits(o[d])
+
+
 @njit(nogil=True, cache=True)
 def attend_merge(items, ip, fp, geo, work, tbl, bufs, kchan, kt_tbl, vt_tbl, generic, mp, wrange, pwrange, sink,
                  vcs, vco, obase, dims, out_addr, lse_addr, stats):

@@ -131,6 +131,8 @@ GRAN_TENSOR, GRAN_CHANNEL, GRAN_HEAD = 0, 1, 2
 (KF_DP_QK, KF_DP_PV, KF_I8_QK, KF_I8_PV, KF_FMA_QK, KF_FMA_PV, KF_PREFETCH, KF_NTA, KF_AHEAD_K, KF_AHEAD_V,
  KF_AMX_QK, KF_AMX_PV, KF_EO_QK, KF_EO_PV, KF_PV_K, KF_TOUCH) = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048,
                                                                 4096, 8192, 16384, 32768)
+
+
 @njit(cache=True, inline="always")
 def kernel_flags(ip):
     """The kernels a launch's items run (KF_* bits), from its int parameters alone: the one place that

@@ -30,6 +30,8 @@ def views(buf):
     n = buf.shape[0]
     return (buf.view(np.int8), buf[:n - n % 2].view(np.uint16), buf[:n - n % 4].view(np.int32),
             buf[:n - n % 4].view(np.float32))
+
+
 @njit(fastmath=FM, cache=True)
 def load_rows(b8, b16, b32, bf, offs, nr, kind, dst, d0, n):
     """dst[c, d0:d0 + n] = float32 of the n logical elements at element offs[c] of the buffer, c < nr
@@ -69,11 +71,15 @@ def load_rows(b8, b16, b32, bf, offs, nr, kind, dst, d0, n):
             o = np.uint64(offs[c])
             for d in range(n_):
                 dst[c, d0_ + d] = bf[o + d]
+
+
 @njit(fastmath=FM, cache=True, inline="always")
 def e8m0_to_f32(e):
     """FLOAT8_E8M0 byte -> 2^(e - 127) as float32 (0 -> 2^-127, a subnormal; 0xFF -> NaN)."""
     u = np.uint32(e)
     return u32_as_f32(np.uint32(0x00400000) if u == 0 else (np.uint32(0x7FC00000) if u == 255 else u << np.uint32(23)))
+
+
 @njit(fastmath=FM, cache=True)
 def fp4_rows(b8, offs, c0, nr, sc8, soffs, dst, n, rows):
     """Row c - c0 of dst (bf16 bits, rows n apart), c0 <= c < c0 + nr, = e2m1(value) * 2^(E - 127) for the n FP4
@@ -90,6 +96,8 @@ def fp4_rows(b8, offs, c0, nr, sc8, soffs, dst, n, rows):
         for gi in range(ng):                            # 16 bytes -> 32 bf16 (cpu/fp4.py)
             fp4_group_bf16(out + 2 * (base + 32 * gi), o + 16 * gi, e8m0_to_f32(sc8[so + np.uint64(gi)]))
         rows[c] = np.int64(base)
+
+
 @njit(cache=True, inline="always")
 def elem_layout(kind, d):
     """(bytes per element, elements per row of d values) of a buffer kind (int4: int32 of eight values)."""
@@ -102,6 +110,8 @@ def elem_layout(kind, d):
     if kind == KIND_FP4:
         return 1, d // 2
     return 2, d
+
+
 @njit(fastmath=FM, cache=True)
 def nz_pack(buf, offs, n, es, d, fs, fw, dst):
     """The n rows at element offsets offs[c] of an NZ cache (SPEC 8b: a row is d / fw fragments of fw elements
@@ -133,6 +143,8 @@ def nz_pack(buf, offs, n, es, d, fs, fw, dst):
                     dst[t0 + f * np.uint64(fb) + j] = buf[b0 + f * np.uint64(fsb) + j]
     for c in range(n):
         offs[c] = c * d
+
+
 @njit(fastmath=FM, cache=True, inline="always")
 def nz_lines(offs, n, d, fw, fs):
     """The kernels' prefetch rows for n NZ rows at element offsets offs[c] (rewritten in place): row p becomes
@@ -142,6 +154,8 @@ def nz_lines(offs, n, d, fw, fs):
     for p in range(n):
         f = p % nf
         offs[p] = offs[p - f] + f * fs
+
+
 @njit(fastmath=FM, cache=True, inline="always")
 def row_offsets(tbl, i, c0, n, bs, s_blk, base, s_s, dst):
     """dst[c] = element offset of key position c0 + c (c < n) of query group i: block tbl[i, p // bs]
@@ -161,6 +175,8 @@ def row_offsets(tbl, i, c0, n, bs, s_blk, base, s_s, dst):
         if sl == bs:
             sl = 0
             bi += 1
+
+
 @njit(fastmath=FM, cache=True, inline="always")
 def touch_rows(buf, offs, n, es, span):
     """Read the span bytes at element offset offs[c] (elements of es bytes) of buf for keys c < n, front to
@@ -176,6 +192,8 @@ def touch_rows(buf, offs, n, es, span):
         for j in range(j0, j1):
             x ^= w[j]
     return x
+
+
 @njit(fastmath=FM, cache=True, inline="always")
 def _copy_strided(src, o, st, dst, c, n):
     """dst[c:c + n] = src[o], src[o + st], ... (unsigned indices: the unit-stride loop vectorizes)."""
@@ -186,6 +204,8 @@ def _copy_strided(src, o, st, dst, c, n):
     else:
         for j in range(n):
             dst[c + j] = src[o + j * st]
+
+
 @njit(fastmath=FM, cache=True)
 def eo_rows(x, R, D, tmp, back):
     """x[r, :D] (D % 16 == 0) per 16 channels: the even-indexed ones, then the odd-indexed ones (the layout of

@@ -43,6 +43,8 @@ def quant_i16(x, R, n, dst, sc):
             for c in range(n_):
                 dst[r, c] = np.int16(np.rint(np.float64(x[r, c]) * inv64))
     return True
+
+
 @njit(fastmath=FM, cache=True, inline="always")
 def drain_chunk(cacc, hh, tacc, R, Dv):
     """cacc[hh, :R, :Dv] += tacc[:R, :Dv], then tacc = 0: a chunk's PV sums into its block of chunks (the item's
@@ -52,6 +54,8 @@ def drain_chunk(cacc, hh, tacc, R, Dv):
         for d in range(np.uint64(Dv)):
             cacc[hh, r, d] += tacc[r, d]
             tacc[r, d] = 0.0
+
+
 @njit(fastmath=FM, cache=True, inline="always")
 def drain_block(acc, ll, vx, cacc, cll, cvx, hh, R, Dv):
     """The block of chunks' sums (cacc / cll / cvx[hh]) into the item's partial (acc, ll, vx), then zeroed."""
@@ -63,6 +67,8 @@ def drain_block(acc, ll, vx, cacc, cll, cvx, hh, R, Dv):
         cll[hh, r] = 0.0
         vx[r] += cvx[hh, r]
         cvx[hh, r] = 0.0
+
+
 @njit(fastmath=FM, cache=True, inline="always")
 def softmax_chunk(s, R, n, m, ll, vx, acc, Dv, p2, mode, wsc, kshift, cll, cvx, cacc, hh):
     """Online softmax of the chunk's scores s[:R, :n] (replaced by exp(s - running max)); the running max
