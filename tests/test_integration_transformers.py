@@ -328,9 +328,9 @@ def test_generate_batch_paged_identical_to_sdpa(family, calls):
 
 
 def test_decode_mask_plans_reproduce_the_mask():
-    """Decode-step masks (one query row, CPU bool: analysed with NumPy): the plan's key windows -- or its general
-    mask -- allow exactly the keys the mask allows, and a mask of one contiguous window per batch never falls back
-    to the general mask."""
+    """Decode-step masks (one query row, CPU bool, possibly wider than the keys given: analysed as bytes): the
+    plan's key windows -- or its general mask -- allow exactly the keys the mask allows, and a mask of one contiguous
+    window per batch never falls back to the general mask."""
     import random
     rnd = random.Random(5)
     for _ in range(400):
@@ -345,7 +345,9 @@ def test_decode_mask_plans_reproduce_the_mask():
                 allowed[b, 0, 0] = torch.rand(KV) < 0.5
                 idx = allowed[b, 0, 0].nonzero().flatten().tolist()
                 windows &= idx == list(range(idx[0], idx[-1] + 1)) if idx else True
-        plan = FT.masks.mask_plan(allowed, 1, KV, True, None)
+        wide = torch.rand(B, 1, 1, KV + rnd.randint(0, 3)) < 0.5      # a static cache's mask: columns past KV
+        wide[..., :KV] = allowed
+        plan = FT.masks.mask_plan(wide, 1, KV, True, None)
         if "atten_mask" in plan:
             assert not windows and set(plan) == {"atten_mask"}
             got = ~plan["atten_mask"].view(B, 1, 1, KV)

@@ -41,8 +41,6 @@ def _plan_from_mask(allowed: torch.Tensor, q_len: int, kv_len: int, causal: bool
         allowed = allowed[:, :1]
     a = allowed[:, 0]                     # batch 1 (broadcast) stays 1: FIA applies one-entry lengths to every batch
     dev = a.device
-    if q_len == 1 and a.device.type == "cpu" and a.dtype == torch.bool:
-        return _decode_plan(a, kv_len)
     cols = a.any(1)                                                # [B, KV]: keys some row attends
     j = torch.arange(kv_len, device=dev)
     lo = torch.where(cols, j, kv_len).amin(-1)
@@ -92,16 +90,24 @@ def _general(a: torch.Tensor, q_len: int) -> dict:
     return {"atten_mask": (m.unsqueeze(1) if q_len > 1 else m.view(m.shape[0], 1, 1, -1)).contiguous()}
 
 
-def _decode_plan(a: torch.Tensor, kv_len: int) -> dict:
-    """_plan_from_mask of a decode step's CPU bool mask a [B, 1, KV]: one pass of NumPy over its rows (a decode
-    step analyses a new mask each step; torch's small ops cost several times more)."""
-    an = a[:, 0].numpy()                                           # [B, KV] (a view)
-    some = an.any(1)
-    lo = np.where(some, an.argmax(1), kv_len)
-    hi = np.where(some, kv_len - an[:, ::-1].argmax(1), kv_len)
-    if not np.array_equal(an.sum(1), hi - lo):                     # not one contiguous key window per batch
-        return _general(a, 1)
-    return _window_plan((False, None), lo.tolist(), hi.tolist(), 1, kv_len, a.device)
+def _decode_plan(mask: torch.Tensor, kv_len: int) -> dict:
+    """_plan_from_mask of a decode step's CPU bool mask [B, 1, 1, >= kv_len] (True = may attend): byte searches over
+    one copy of its rows. A decode step analyses a new mask each step, inside a model whose work between steps
+    leaves little of the host code cached, so the fewer library calls the better (docs/performance.md)."""
+    raw = mask.numpy()[:, 0, 0, :kv_len].tobytes()                 # [B, kv_len] bytes 0 / 1
+    lo_l, hi_l = [], []
+    for b in range(0, len(raw), kv_len):
+        lo = raw.find(1, b, b + kv_len)
+        if lo < 0:                                                 # a batch that attends no key
+            lo_l.append(kv_len)
+            hi_l.append(kv_len)
+            continue
+        hi = raw.rfind(1, lo, b + kv_len) + 1
+        if raw.find(0, lo, hi) >= 0:                               # not one contiguous key window
+            return _general(mask[:, 0, :, :kv_len], 1)
+        lo_l.append(lo - b)
+        hi_l.append(hi - b)
+    return _window_plan((False, None), lo_l, hi_l, 1, kv_len, mask.device)
 
 
 def _window_plan(found: tuple, lo_l: list, hi_l: list, q_len: int, kv_len: int, dev) -> dict:
@@ -131,7 +137,11 @@ def mask_plan(mask, q_len: int, kv_len: int, causal: bool, window) -> dict:
     hit = _plans.get(id(mask))
     if hit is not None and hit[0]() is mask and hit[1] == key:
         return hit[2]
-    plan = _plan_from_mask(_allowed(mask, kv_len), q_len, kv_len, causal, window)
+    if q_len == 1 and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[2] == 1 \
+            and mask.device.type == "cpu" and 0 < kv_len <= mask.shape[3]:
+        plan = _decode_plan(mask, kv_len)
+    else:
+        plan = _plan_from_mask(_allowed(mask, kv_len), q_len, kv_len, causal, window)
     _plans.put(id(mask), (weakref.ref(mask), key, plan))
     return plan
 
