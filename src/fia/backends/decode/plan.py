@@ -24,6 +24,9 @@ MIN_SPLIT = 512             # fewest keys of a split (smaller splits cost more i
 ITEMS_PER_THREAD = 4        # split long sequences until there are about this many items per thread
 CHUNK_FLOATS = 32768        # keys per chunk = CHUNK_FLOATS // head dim (256 for D = 128), measured best
 PARALLEL_MIN_WORK = 16384   # keys x rows below which one thread does everything (no pool hand-off)
+# ... and a launch of at most PARALLEL_MIN_BYTES of K / V below 16 x PARALLEL_MIN_WORK: the pool's hand-off and two
+# threads' interference cost more there than the second core gains (docs/performance.md, "Small launches")
+PARALLEL_MIN_BYTES = 6 << 20
 # The kernels' software prefetches (kernels.PREFETCH_POLICY) bet that K / V come from DRAM. A launch that
 # reads at most PREFETCH_MIN_BYTES of K / V runs without them: its data may well be cached (a call repeated), where
 # they only cost instructions (docs/performance.md, "Kernel choices: the measurements").
@@ -89,7 +92,7 @@ def plan_key(memo_key: int, K) -> tuple:
 
 def tuning(K) -> tuple:
     return (max(1, torch.get_num_threads()), MIN_SPLIT, ITEMS_PER_THREAD, CHUNK_FLOATS, PARALLEL_MIN_WORK, PREFIX_ROWS,
-            PREFETCH_MIN_BYTES, K.DP_FLAGS)
+            PREFETCH_MIN_BYTES, PARALLEL_MIN_BYTES, K.DP_FLAGS)
 
 
 def _plan(p: AttentionProblem, x: Inputs, K, threads: int) -> Plan:
@@ -222,7 +225,7 @@ def _launch_plan(src: Source, ip: list, K, work: np.ndarray, w0: int, w1: int, H
     src.ints(ip, K)
     key_bytes = _key_bytes(K, ip)
     ip[K.IP_DP] = _dp_flags(K, key_bytes, keys, H, pv)
-    items, t = _schedule(work, H, R, threads, keys, ip[K.IP_HB])
+    items, t = _schedule(work, H, R, threads, keys, ip[K.IP_HB], key_bytes)
     return Launch(np.array(ip, np.int64), work, w0, w1, items, t, src.generic(bool(ip[K.IP_DP] & K.DP_F32)),
                   key_bytes)
 
@@ -248,13 +251,16 @@ def _dp_flags(K, key_bytes: float, keys: int, H: int, pv: bool = True) -> int:
     return flags
 
 
-def _schedule(work: np.ndarray, H: int, R: int, threads: int, keys: int, hb: int = 1):
+def _schedule(work: np.ndarray, H: int, R: int, threads: int, keys: int, hb: int = 1, key_bytes: float = 0.0):
     """(items in the order the threads take them, threads) of work entries x H KV heads of R rows, hb heads
-    per item."""
+    per item, key_bytes of K / V per key and KV head. One thread for small work (PARALLEL_MIN_WORK,
+    PARALLEL_MIN_BYTES)."""
     ng = H // hb
     n = work.shape[1] * ng
     t = min(threads, n)
-    if t <= 1 or keys * H * R < PARALLEL_MIN_WORK:
+    rows_work = keys * H * R
+    if t <= 1 or rows_work < PARALLEL_MIN_WORK or (
+            keys * H * key_bytes <= PARALLEL_MIN_BYTES and rows_work < 16 * PARALLEL_MIN_WORK):
         return np.arange(n, dtype=np.int64), 1
     return np.argsort(-np.repeat(work[2] - work[1], ng), kind="stable").astype(np.int64), t
 
@@ -277,7 +283,7 @@ def relength(plan: Plan, p: AttentionProblem, kv_lens: np.ndarray, K, threads: i
     W = work.shape[1]
     if W == 0:
         return None
-    items, t = _schedule(work, p.KV_N, p.G * p.Q_S, threads, keys, hb)
+    items, t = _schedule(work, p.KV_N, p.G * p.Q_S, threads, keys, hb, launch.key_bytes)
     flags = _dp_flags(K, launch.key_bytes, keys, p.KV_N, _pv_dp(p))
     if flags != ip[K.IP_DP]:                      # (the prefetch choice follows the bytes read)
         ip = ip.copy()
