@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import weakref
 
-import numpy as np
 import torch
 
 from fia.caches import BoundedCache
