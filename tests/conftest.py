@@ -5,10 +5,10 @@ A test that computes attention runs once per registered backend that can run its
 ``fia_backend`` fixture (a test may take ``fia_backend`` as an argument: the forced backend's name).
 The items are GENERATED (pytest_generate_tests below), never collected just to be skipped:
 
-* ``@pytest.mark.backend_independent`` (or ``pytestmark = ...`` for a module): parse, interface, kernel
-  and process-level tests, and tests that name / compare backends themselves -> ONE item, no ``be=`` id,
-  automatic backend selection (``fia_backend`` is None). A module that overrides the ``fia_backend``
-  fixture (e.g. to run in strict mode) is backend-independent the same way.
+* ``@pytest.mark.backend_independent`` (or ``pytestmark = ...`` for a module or class): parse, interface,
+  kernel and process-level tests, and tests that name / compare backends themselves -> ONE item, no ``be=``
+  id, automatic backend selection (``fia_backend`` is None). This marker is the one way out of the
+  per-backend runs: a test module may not override the ``fia_backend`` fixture (collection fails).
 * ``@pytest.mark.backends("decode", ...)``: only these backends (one backend's own behaviour).
 * ``@pytest.mark.case(**features)``: what the case asks of a backend, for cases some backend cannot run
   (backend_caps.py: ``q_s``, ``decode``, ``full_quant``, ``compute``); a feature's value is a constant, the
@@ -26,8 +26,11 @@ the excluded items too and demands that each one really is refused (an excluded 
 fails the audit: the filter lost coverage). FIA_TEST_BACKENDS=reference,decode restricts the backends.
 """
 import os
+import sys
 
-# the suite tests what each backend computes, compiling where needed (tests/test_jit.py covers the tiers)
+from paths import FOLDERS
+
+# the suite tests what each backend computes, compiling where needed (tests/cpu/test_jit.py covers the tiers)
 os.environ.setdefault("FIA_JIT", "sync")
 
 import pytest
@@ -36,6 +39,12 @@ import fia
 from backend_caps import can_run
 from fia.backends import registry
 from fia.errors import FiaBackendUnavailable
+
+# the test folders (one per layer: validation, semantics, backends, cpu, interfaces, reliability, clients, project)
+# import the helpers at the top of tests/ and each other's by module name
+for _d in reversed(FOLDERS):
+    if str(_d) not in sys.path:
+        sys.path.insert(0, str(_d))
 
 _ALL = [b.name for b in registry.backends()]
 _SEL = [n for n in os.environ.get("FIA_TEST_BACKENDS", ",".join(_ALL)).split(",") if n]
@@ -62,7 +71,10 @@ def fia_backend(request):
 def _backends_of(metafunc):
     """The backends a test function is parametrized over; None: backend-independent (one item)."""
     defs = metafunc._arg2fixturedefs.get("fia_backend", ())
-    if "fia_backend" not in metafunc.fixturenames or len(defs) != 1:     # overridden by the module / class
+    if len(defs) != 1:
+        raise pytest.UsageError(f"{metafunc.definition.nodeid}: overrides the fia_backend fixture; mark the module "
+                                "or test @pytest.mark.backend_independent instead (conftest)")
+    if "fia_backend" not in metafunc.fixturenames:
         return None
     if metafunc.definition.get_closest_marker("backend_independent") is not None:
         return None

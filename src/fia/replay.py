@@ -19,7 +19,7 @@ every step, so its values are not in the key, only its type and length: a replay
 *lengths replay*, which checks each call's lengths as parse does (anything it would not accept, or would
 treat otherwise, goes to the full path, which raises the error) and re-plans its launch for them
 (decode plan.relength). It is offered only for right-padded calls (no padding sizes) and admitted the second
-time its key is seen; tests/test_replay.py compares every call of random length sequences with the full path.
+time its key is seen; tests/interfaces/test_replay.py compares every call of random length sequences with the full path.
 A paged call's block table (a plain CPU tensor) is keyed by its metadata: its block ids are data, range-checked
 on every call as parse checks them (an id out of range: the full path, which raises the error).
 

@@ -269,7 +269,7 @@ def relength(plan: Plan, p: AttentionProblem, kv_lens: np.ndarray, K, threads: i
     """plan (p's: one dense KV source serving every work entry, right-padded keys, no shared prefix, no band)
     for other KV lengths kv_lens [B] of the same metadata -- what _plan gives for p with those lengths,
     rebuilding only the parts they shape: the geometry's key count row (as _geometry: s2 = the batch's keys),
-    the own keys, work split, item schedule (tests/test_replay.py compares the two). None where no work entry
+    the own keys, work split, item schedule (tests/interfaces/test_replay.py compares the two). None where no work entry
     is left (the full path handles it)."""
     geo = plan.geo.copy()
     geo[K.GEO_S2] = kv_lens

@@ -91,7 +91,7 @@ MASK_FILL = np.float32(-1e12)
 # of int8 magnitude (|k| <= 128) of random signs, step * 128 * sqrt(D / 12) (times the largest per-token key scale
 # of a chunk). Past it (a query with an outlier channel: the step grows with that channel, every other channel
 # loses precision) QK runs the float32 FMA kernels. 2^-11 is half an fp16 ulp of relative weight error: the output
-# stays within 2 fp16 ulp of the reference (tests/test_reliability_decode.py); an ordinary query (randn, per-channel
+# stays within 2 fp16 ulp of the reference (tests/reliability/test_reliability_decode.py); an ordinary query (randn, per-channel
 # scales 0.004-0.02, D = 128) sits near 1e-4 of it, an outlier channel of 20-30 (x the softmax scale) reaches it.
 I8_QK_MAX_ERR = np.float32(2.0 ** -11)
 # Per-token dequant factors whose product with an int8 value (|x + offset| * |scale|) may exceed EXC_FACTOR, or that
