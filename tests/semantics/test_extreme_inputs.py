@@ -1,7 +1,11 @@
 """Extreme arguments give one answer on every path: a scale that is not a finite float32 is FIA's input error
-(DECISIONS 49), and a keyword an entry point does not take is FIA's input error naming it -- the same class and
-message eagerly, on meta tensors, under FakeTensorMode and under make_fx."""
+(DECISIONS 49), a keyword an entry point does not take is FIA's input error naming it -- the same class and
+message eagerly, on meta tensors, under FakeTensorMode and under make_fx -- and values at float32's limits or NaN /
+Inf give every backend the reference's NaN / Inf pattern (DECISIONS 52)."""
 from __future__ import annotations
+
+import os
+import random
 
 import pytest
 import torch
@@ -9,6 +13,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fia
+from fia.backends import registry
+from fia.errors import FiaBackendUnavailable
+from test_fuzz_random import build, call, draw
 from util import gen, randn
 
 pytestmark = pytest.mark.backend_independent      # parse decides before any backend: run once (conftest)
@@ -89,3 +96,72 @@ def test_an_unknown_keyword_is_the_same_input_error_on_every_path(entry, keyword
     assert str(err).startswith(f"{keyword}: expected ")
     if hint is not None:
         assert hint in str(err)
+
+
+# ---------------------------------------------------------------------------------------------- overflow
+# Finite inputs at float32's limits and NaN / Inf inputs: every backend gives the reference's NaN / Inf pattern
+# (DECISIONS 52). Seeded calls of test_fuzz_random, each with one extreme mutation; FIA_FUZZ_EXT_CASES (default
+# 120) sets the number of seeds.
+EXT_SEEDS = range(int(os.environ.get("FIA_FUZZ_EXT_CASES", "120")))
+_SCALES = (1e38, -1e38, 3.4e38, 1e30, -1e30, 1e20)
+
+
+def _extreme(seed: int):
+    """(case, built call, what was mutated) of seed with one extreme mutation, or None where the drawn case has no
+    float tensor to push to its limits."""
+    c = draw(seed)
+    if c.dtype not in (torch.float16, BF16, torch.float32):
+        return None
+    bt = build(c)
+    r = random.Random(f"ext-{seed}")
+    what = r.choice(("scale", "scale", "query", "key", "value", "nan"))
+    if what == "scale":
+        c.scale = r.choice(_SCALES)
+        return c, bt, what
+    name = {"query": "q_in", "key": "k_in", "value": "v_in", "nan": r.choice(("q_in", "k_in", "v_in"))}[what]
+    t = getattr(bt, name)
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        return None
+    t = t.clone()                                        # (keeps the drawn strides)
+    hit = torch.rand(t.shape, generator=gen(10_000 + seed)) < 0.02
+    t[hit] = (float(r.choice(("nan", "inf", "-inf"))) if what == "nan" else
+              torch.finfo(t.dtype).max * r.choice((1.0, -1.0)))
+    setattr(bt, name, t)
+    return c, bt, what
+
+
+def _pattern(t):
+    t = t.float()
+    return torch.stack([torch.isnan(t), torch.isposinf(t), torch.isneginf(t)])
+
+
+def test_extreme_values_give_the_references_nan_and_inf_on_every_backend():
+    names = [b.name for b in registry.backends()]
+    compared = 0
+    for seed in EXT_SEEDS:
+        got = _extreme(seed)
+        if got is None:
+            continue
+        c, bt, what = got
+        res = {}
+        for be in names:
+            try:
+                with fia.use_backend(be), fia.validation_mode("portable"):
+                    out, lse = call(c, bt)
+            except FiaBackendUnavailable:
+                continue
+            res[be] = (out, lse if c.lse else None)
+        ref_o, ref_l = res.pop("reference")
+        for be, (out, lse) in res.items():
+            where = f"seed {seed} ({c.api}, {c.layout}, {c.dtype}, scale {c.scale}), backend {be}"
+            assert torch.equal(_pattern(out), _pattern(ref_o)), f"{where}: output NaN / Inf pattern"
+            if lse is not None:
+                assert torch.equal(_pattern(lse), _pattern(ref_l)), f"{where}: lse NaN / Inf pattern"
+            # finite values too, where the scores keep ordinary magnitudes (scores near float32's limit lose their
+            # differences to rounding, in another order on each backend)
+            fin = torch.isfinite(ref_o.float())
+            if what in ("value", "nan") and out.is_floating_point() and bool(fin.any()):
+                a, b = out.float()[fin], ref_o.float()[fin]
+                assert float((a - b).abs().max()) <= 2e-2 * max(1.0, float(b.abs().max())), f"{where}: values"
+            compared += 1
+    assert compared >= len(EXT_SEEDS) // 2          # (the sweep compares backends, not just draws cases)

@@ -186,6 +186,15 @@ class Backend:
         return None
 
 
+def non_finite(res: BackendResult) -> bool:
+    """Whether res holds a NaN or an infinity where a computed answer is finite: in the output, or in the lse
+    other than the +inf of rows without keys (SPEC 6). Such results are the reference's (DECISIONS 52)."""
+    out, lse = res.out, res.lse
+    if out.is_floating_point() and not bool(torch.isfinite(out).all()):
+        return True
+    return lse is not None and bool((torch.isnan(lse) | torch.isneginf(lse)).any())
+
+
 _CHECK_FROM = 1 << 30         # calls needing less than this never read the machine's free memory
 
 

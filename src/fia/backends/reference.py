@@ -11,7 +11,7 @@ import torch
 
 from ..problem.attention import MASK_FILL, AttentionProblem, BatchGeometry
 from ..problem.quant import FullQuant, round_half_even_saturate_int8, unpack_int4
-from .base import PRIORITY_REFERENCE, Backend, BackendResult
+from .base import PRIORITY_REFERENCE, Backend, BackendResult, non_finite
 
 
 def band_outside(p: AttentionProblem, g: BatchGeometry, device) -> Optional[torch.Tensor]:
@@ -95,7 +95,21 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bias
     """One batch of SPEC 3. q [N, S1, D], k [KV_N, S2, D], v [KV_N, S2, Dv] -> out [N, S1, Dv], lse [N, S1].
 
     sink [N]: one extra score column per row that no mask hides and that carries no value (SPEC 1.1b).
+    Computed in the inputs' dtype (float32); where that gives a NaN or an infinity, the batch again in float64
+    (DECISIONS 52): finite inputs then give the finite answer a float32 intermediate overflowed, and NaN / Inf
+    inputs propagate as in float32.
     """
+    out, lse = _attend(q, k, v, scale, bias, masked, sink)
+    if q.dtype == torch.float32 and not (bool(torch.isfinite(out).all()) and bool(torch.isfinite(lse).all())):
+        w = torch.float64
+        out, lse = _attend(q.to(w), k.to(w), v.to(w), scale, None if bias is None else bias.to(w), masked,
+                           None if sink is None else sink.to(w))
+        out, lse = out.to(torch.float32), lse.to(torch.float32)
+    return out, lse
+
+
+def _attend(q, k, v, scale: float, bias, masked, sink):
+    """attend in the inputs' dtype."""
     n, s1, d = q.shape
     kv_n, s2, dv = v.shape
     g = n // kv_n
@@ -146,6 +160,13 @@ def attend_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fq: FullQuant
     o = torch.bmm(p8.to(torch.float64).reshape(kv_n, g * s1, s2), v.to(torch.float64))  # int32(P8·V), exact
     out = (o.reshape(n, s1, dv).to(torch.float32) * fq.dequant_scale2) / den        # the row sum divides last
     return out, (m + torch.log(den)).squeeze(-1)
+
+
+def unless_non_finite(p: AttentionProblem, res: BackendResult) -> BackendResult:
+    """res, or the reference's result where res holds a NaN or an infinity (base.non_finite): the backends'
+    folded arithmetic overflows elsewhere than the reference's, so every backend answers such calls with the
+    reference's numbers (DECISIONS 52)."""
+    return ReferenceBackend().run(p) if non_finite(res) else res
 
 
 class ReferenceBackend(Backend):

@@ -144,7 +144,8 @@ class DecodeBackend(Backend):
         x = Inputs(p)
         if x.exceptional:
             return _reference(p)
-        return execute(p, x, plan_of(p, x, K) if plan is None else plan, K)
+        res = execute(p, x, plan_of(p, x, K) if plan is None else plan, K)
+        return _reference(p) if res is None else res            # NaN / infinite rows: DECISIONS 52
 
     def run(self, p: AttentionProblem) -> BackendResult:
         """launch(p, plan(p)), with the call's inputs made once (the plan, where it is built, reads them)."""
@@ -209,5 +210,6 @@ def _no_kernel_result(p: AttentionProblem) -> BackendResult:
 def _reference(p: AttentionProblem) -> BackendResult:
     """The call computed with the reference's formulas: for what the kernels' folded arithmetic cannot reproduce
     (NaN / infinite / huge dequant factors applied outside the loop: their inf * 0 and overflows happen per
-    element; head dim 0: the lse alone). Degenerate inputs only."""
+    element; head dim 0: the lse alone; a result with NaN or infinite rows, DECISIONS 52). Degenerate inputs
+    only."""
     return ReferenceBackend().run(p)

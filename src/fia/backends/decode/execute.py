@@ -3,6 +3,8 @@ and all its G * Q_S query rows for a key range, partials per work entry), then o
 normalization, value dequant, special rows) writing the output in its final layout and dtype and the lse."""
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import torch
 
@@ -17,8 +19,9 @@ from .plan import Launch, Plan
 QK_STATS = np.zeros(2, np.int64)
 
 
-def execute(p: AttentionProblem, x: Inputs, plan: Plan, K) -> BackendResult:
-    """Allocate the partials and outputs, hand every buffer's address to the kernels, run them."""
+def execute(p: AttentionProblem, x: Inputs, plan: Plan, K) -> Optional[BackendResult]:
+    """Allocate the partials and outputs, hand every buffer's address to the kernels, run them. None where a
+    computed row came out NaN or infinite (merge): the caller answers with the reference's numbers."""
     H, R0, Dv = p.KV_N, p.G * p.Q_S, p.Dv
     po, pm, pl, pany = partials(plan.W, H, R0, Dv)
     qbufs = x.addresses(K)
@@ -31,7 +34,8 @@ def execute(p: AttentionProblem, x: Inputs, plan: Plan, K) -> BackendResult:
         _attend(K, plan, plan.prefix, x.prefix, qbufs, x.kchan, ppo, ppm, ppl, ppany)
     out = torch.empty_strided(plan.out_size, plan.out_stride, dtype=plan.out_dtype)
     lse, lse_addr = lse_target(p.lse_shape(), p.want_lse)
-    merge(K, plan, (x.sink, x.vcs, x.vco), out, lse_addr, (po, pm, pl, pany), (ppo, ppm, ppl, ppany))
+    if merge(K, plan, (x.sink, x.vcs, x.vco), out, lse_addr, (po, pm, pl, pany), (ppo, ppm, ppl, ppany)):
+        return None
     return BackendResult(out, lse if p.want_lse else None)
 
 
@@ -46,11 +50,11 @@ def lse_target(shape: tuple, want: bool):
     return scratch, (scratch.ctypes.data, scratch.size * 4)
 
 
-def merge(K, plan: Plan, factors: tuple, out: torch.Tensor, lse_addr: tuple, parts: tuple, pparts: tuple) -> None:
+def merge(K, plan: Plan, factors: tuple, out: torch.Tensor, lse_addr: tuple, parts: tuple, pparts: tuple) -> int:
     """Merge the partials (own, prefix) into `out` (the plan's output, allocated) and the lse at lse_addr;
-    factors: Inputs' (sink, vcs, vco)."""
+    factors: Inputs' (sink, vcs, vco). Returns the kernel's non-finite flag."""
     obufs = np.array([[out.data_ptr(), lse_addr[0]], [plan.out_bytes, lse_addr[1]]], np.int64)
-    K.merge(plan.mp, plan.geo, *parts, plan.wrange, *pparts, plan.pwrange, *factors, plan.obase, obufs)
+    return K.merge(plan.mp, plan.geo, *parts, plan.wrange, *pparts, plan.pwrange, *factors, plan.obase, obufs)
 
 
 def partials(W: int, H: int, R: int, Dv: int):

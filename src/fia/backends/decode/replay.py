@@ -246,14 +246,16 @@ class Replay:
             lse, lse_addr = lse_target(self.lse_shape, True)
         else:
             lse, lse_addr = torch.empty(0, dtype=torch.float32), self.scratch[1]
-        if launch.threads == 1:                     # attend + merge in one dispatch
-            K.attend_merge(launch.items, launch.ip, plan.fp, plan.geo, launch.work, tbl, bufs, kchan,
+        if launch.threads == 1:                     # attend + merge in one dispatch (a non-finite row: the full path)
+            if K.attend_merge(launch.items, launch.ip, plan.fp, plan.geo, launch.work, tbl, bufs, kchan,
                            kt_tbl, vt_tbl, launch.generic, plan.mp, plan.wrange, plan.pwrange,
-                           *factors, plan.obase, dims, out.data_ptr(), lse_addr[0], QK_STATS)
+                           *factors, plan.obase, dims, out.data_ptr(), lse_addr[0], QK_STATS):
+                return None
             return out, lse
         po = partials(*parts)
         launch_threads(K.attend_items, launch.items, launch.threads,
                 (launch.ip, plan.fp, plan.geo, launch.work, tbl, bufs, kchan, kt_tbl, vt_tbl, *po,
                  launch.generic, QK_STATS))
-        merge(K, plan, factors, out, lse_addr, po, po)
+        if merge(K, plan, factors, out, lse_addr, po, po):
+            return None
         return out, lse

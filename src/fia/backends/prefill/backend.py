@@ -49,7 +49,7 @@ from . import flash as prefill_flash
 from ..base import PRIORITY_PREFILL, Backend, BackendResult, Capabilities
 from .plan import CAUSAL, FULL, MASKED, RCAUSAL, BlockPlan, band_outside_tile, dead_row_ranges, plan_batch
 from .pse import key_tile_norms, needed_ranges
-from ..reference import batch_keys, batch_query
+from ..reference import batch_keys, batch_query, unless_non_finite
 
 _aten_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -155,14 +155,14 @@ class PrefillBackend(Backend):
         if plan.one_call is not None:
             direct = self._one_call(p, plan.one_call, plan.kernel_dtype)
             if direct is not None:
-                return direct
+                return unless_non_finite(p, direct)
         cd = p.compute_dtype
         dev = p.device
         out = torch.zeros(p.out_shape(), dtype=plan.out_dtype, device=dev)             # never computed: 0
         lse = torch.full(p.lse_shape(), float("inf"), dtype=cd, device=dev) if p.want_lse else None
         for b in plan.batches:
             self._run_batch(p, b, p.geometry[b], plan.kernel_dtype, out, lse)
-        return BackendResult(out, lse)
+        return unless_non_finite(p, BackendResult(out, lse))
 
     def _one_call_kind(self, p: AttentionProblem, kd) -> Optional[int]:
         """The segment kind (FULL / CAUSAL) when one kernel call may cover p (_one_call), else None: B = 1, the

@@ -13,6 +13,7 @@ import torch
 
 from ...problem.attention import AttentionProblem
 from ..base import PRIORITY_TORCH, Backend, BackendResult, Capabilities
+from ..reference import unless_non_finite
 from .attend import Tiling, run_group
 from .plan import Group, groups
 
@@ -61,7 +62,7 @@ class TorchBackend(Backend):
         gs = self._groups(p)
         if len(gs) == 1 and not p.packed and _covers_all(p, gs[0]):
             o, l = run_group(p, gs[0], tiling)                                # the whole output, in order
-            return BackendResult(o, l if p.want_lse else None)
+            return unless_non_finite(p, BackendResult(o, l if p.want_lse else None))
         out = torch.zeros(p.out_shape(), dtype=cd, device=dev)                 # rows never computed: 0
         lse = torch.full(p.lse_shape(), float("inf"), dtype=cd, device=dev)   # ... and lse +inf (SPEC 6)
         for grp in gs:
@@ -70,7 +71,7 @@ class TorchBackend(Backend):
                 _put_packed(p, grp, o, l, out, lse)
             else:
                 _put_dense(p, grp, o, l, out, lse)
-        return BackendResult(out, lse if p.want_lse else None)
+        return unless_non_finite(p, BackendResult(out, lse if p.want_lse else None))
 
 
 def _covers_all(p: AttentionProblem, grp: Group) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ....cpu.numerics import FM, buf_bytes, buf_f32, f32_to_bf16_bits, f32_to_half_bits
+from ....cpu.numerics import FM, buf_bytes, buf_f32, f32_as_u32, f32_to_bf16_bits, f32_to_half_bits
 from ....cpu.simd import KIND_BF16
 from ....cpu import kernel_cache
 from .items import attend_items
@@ -105,6 +105,8 @@ def merge(mp, geo, po, pm, pl, pany, wrange, ppo, ppm, ppl, ppany, pwrange, sink
     rows s >= obase[2, b] do not exist (packed layouts); mp[14]: 0 float32, 1 bf16, 2 fp16 output.
     A row is computed when it lies inside the query window, its batch has keys and the band leaves it
     a key; every other row is 0 with lse +inf (SPEC 4, 6).
+    Returns 1 when a computed row's output or lse is a NaN or an infinity (the caller then answers with the
+    reference's numbers, DECISIONS 52), else 0.
     """
     B = mp[0]
     G = mp[1]
@@ -129,6 +131,7 @@ def merge(mp, geo, po, pm, pl, pany, wrange, ppo, ppm, ppl, ppany, pwrange, sink
     of = out[:nb - nb % 4].view(np.float32)
     oh = out[:nb - nb % 2].view(np.uint16)
     o = np.empty(Dv, np.float32)
+    bad = 0
     for it in range(B * H):
         b = it // H
         h = it % H
@@ -191,7 +194,25 @@ def merge(mp, geo, po, pm, pl, pany, wrange, ppo, ppm, ppl, ppany, pwrange, sink
                 for d in range(Dv):
                     o[d] = (o[d] + vco[h, d] * lw) * vcs[h, d]
             _store(of, oh, okind, ob, o, Dv)
-            lse[lb] = M + np.float32(np.log(lt))
+            lv = M + np.float32(np.log(lt))
+            lse[lb] = lv
+            bad |= _non_finite(o, Dv) | _nf(lv)
+    return bad
+
+
+@njit(cache=True, inline="always")
+def _nf(x):
+    """1 when float32 x is a NaN or an infinity (its exponent bits all set: whatever the fast-math flags)."""
+    return int((f32_as_u32(np.float32(x)) & np.uint32(0x7F800000)) == np.uint32(0x7F800000))
+
+
+@njit(cache=True, inline="always")
+def _non_finite(o, Dv):
+    """1 when o[:Dv] holds a NaN or an infinity."""
+    bad = 0
+    for d in range(Dv):
+        bad |= _nf(o[d])
+    return bad
 
 
 @njit(fastmath=FM, cache=True, inline="always")
@@ -214,7 +235,7 @@ def attend_merge(items, ip, fp, geo, work, tbl, bufs, kchan, kt_tbl, vt_tbl, gen
     """A single-threaded call without a prefix (fia.replay): attend_items on the calling thread, then merge, in
     one dispatch -- the partials [W, KV_N, R(, Dv)] (dims = W, KV_N, R, Dv, output bytes, lse bytes), the
     counter and obufs made here. On a small call each numba dispatch and each numpy allocation costs the
-    host microseconds (the benchmark's small call)."""
+    host microseconds (the benchmark's small call). Returns merge's non-finite flag."""
     W = max(dims[0], 1)
     po = np.empty((W, dims[1], dims[2], dims[3]), np.float32)
     pm = np.empty((W, dims[1], dims[2]), np.float32)
@@ -228,4 +249,4 @@ def attend_merge(items, ip, fp, geo, work, tbl, bufs, kchan, kt_tbl, vt_tbl, gen
     obufs[0, 1] = lse_addr
     obufs[1, 0] = dims[4]
     obufs[1, 1] = dims[5]
-    merge(mp, geo, po, pm, pl, pany, wrange, po, pm, pl, pany, pwrange, sink, vcs, vco, obase, obufs)
+    return merge(mp, geo, po, pm, pl, pany, wrange, po, pm, pl, pany, pwrange, sink, vcs, vco, obase, obufs)
