@@ -190,9 +190,11 @@ def non_finite(res: BackendResult) -> bool:
     """Whether res holds a NaN or an infinity where a computed answer is finite: in the output, or in the lse
     other than the +inf of rows without keys (SPEC 6). Such results are the reference's (DECISIONS 52)."""
     out, lse = res.out, res.lse
-    if out.is_floating_point() and not bool(torch.isfinite(out).all()):
-        return True
-    return lse is not None and bool((torch.isnan(lse) | torch.isneginf(lse)).any())
+    if out.is_floating_point() and out.numel():
+        lo, hi = torch.aminmax(out)               # one pass; a NaN makes both NaN (isfinite: ~30x slower on bf16)
+        if not (math.isfinite(float(lo)) and math.isfinite(float(hi))):
+            return True
+    return lse is not None and lse.numel() > 0 and not float(lse.amin()) > -math.inf
 
 
 _CHECK_FROM = 1 << 30         # calls needing less than this never read the machine's free memory
