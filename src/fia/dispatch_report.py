@@ -23,6 +23,7 @@ import torch
 
 from . import eager, parse
 from .cpu import jit
+from .cpu.classes import cpu_class
 from .backends import registry
 from .config import get_backend
 from .errors import FiaUnsupportedError
@@ -46,6 +47,7 @@ class DispatchReport:
     error: Optional[str] = None
     details: Optional[str] = None    # how the selected backend would run it (e.g. its kernels on this CPU)
     tier: Optional[str] = None       # the state of the compiled kernels the best backend needs (fia.cpu.jit)
+    cpu: Optional[str] = None        # the CPU class the kernels' choices follow (fia.cpu.classes)
 
     @property
     def supported(self) -> bool:
@@ -73,6 +75,8 @@ class DispatchReport:
                 lines.append(f"  {name}: " + "; ".join(why))
         if self.tier:
             lines.append(f"compiled kernels: {self.tier}")
+        if self.cpu:
+            lines.append(f"cpu: {self.cpu}")
         return "\n".join(lines)
 
 
@@ -96,21 +100,22 @@ def explain_problem(problem) -> DispatchReport:
     reasons = registry.explain(problem)
     forced = get_backend()
     details = None
-    tier = None
+    tier = cpu = None
     try:
         backend = registry.select(problem)
         selected, error = backend.name, None
         best = backend if forced else registry.best(problem)
         sets = best.kernel_sets(problem)
-        if sets:
+        if sets:                                           # compiled kernels: their choices follow the CPU class
             tier = "; ".join(jit.describe(n) for n in sets)
+            cpu = str(cpu_class())
             if best is not backend:
                 tier += f"; running on the {backend.name} backend until then"
         if jit.ready(backend.kernel_sets(problem)):        # (describing may run kernels: only compiled ones)
             details = backend.describe(problem)
     except FiaUnsupportedError as e:
         selected, error = None, str(e)
-    return DispatchReport(problem.api, _summary(problem), selected, reasons, forced, error, details, tier)
+    return DispatchReport(problem.api, _summary(problem), selected, reasons, forced, error, details, tier, cpu)
 
 
 # the entry points fia.explain understands: name -> (the function whose signature binds the call, its parse step)

@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..cpu.classes import cpu_class
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -109,6 +111,7 @@ class Ceilings:
     cpu: str = field(default_factory=lambda: _cpu_name())
     torch_version: str = torch.__version__
     cpu_capability: str = field(default_factory=lambda: _cpu_capability())
+    cpu_class: str = field(default_factory=lambda: str(cpu_class()))     # what FIA's kernel choices follow
     # OpenMP workers that spin after each torch op take a core from the next call on small machines
     # (docs/performance.md, "Deployment"); scripts/main.sh sets PASSIVE
     omp_wait_policy: str = field(default_factory=lambda: os.environ.get("OMP_WAIT_POLICY", "unset"))
@@ -148,7 +151,8 @@ def _cpu_name() -> str:
 
 def host() -> dict:
     """What a benchmark without ceilings reports about the machine (the fields Ceilings shares)."""
-    return {"cpu": _cpu_name(), "cpu_capability": _cpu_capability(), "threads": torch.get_num_threads(),
+    return {"cpu": _cpu_name(), "cpu_capability": _cpu_capability(), "cpu_class": str(cpu_class()),
+            "threads": torch.get_num_threads(),
             "torch_version": torch.__version__, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset")}
 
 

@@ -50,12 +50,14 @@ def rows(records: list[dict], width: int = 24) -> list[list[str]]:
 
 def ceilings_lines(c: dict) -> list[str]:
     mm = ", ".join(f"{k} {v:.3g} TFLOP/s (n={c['mm_n'][k]})" for k, v in c["mm_tflops"].items())
-    return [f"CPU {c['cpu']} ({c['cpu_capability']}), {c['threads']} torch threads, torch {c['torch_version']}, "
-            f"OMP_WAIT_POLICY {c.get('omp_wait_policy', 'unset')}",
-            f"read bandwidth {c['read_gbps']:.1f} GB/s (x.sum, median); cross-check: copy {c['copy_gbps']:.1f} GB/s "
-            f"(read+write), {100 * (c['copy_gbps'] / c['read_gbps'] - 1):+.0f}%",
-            f"matmul: {mm}"] + (["(each the better of a measurement before and after the cases)"]
-                                if "before" in c else []) + _drift_lines(c) + _cache_lines(c)
+    return ([f"CPU {c['cpu']} ({c['cpu_capability']}), {c['threads']} torch threads, torch {c['torch_version']}, "
+             f"OMP_WAIT_POLICY {c.get('omp_wait_policy', 'unset')}"]
+            + ([f"FIA's kernels: CPU {c['cpu_class']}"] if c.get("cpu_class") else [])
+            + [f"read bandwidth {c['read_gbps']:.1f} GB/s (x.sum, median); cross-check: copy {c['copy_gbps']:.1f} "
+               f"GB/s (read+write), {100 * (c['copy_gbps'] / c['read_gbps'] - 1):+.0f}%",
+               f"matmul: {mm}"]
+            + (["(each the better of a measurement before and after the cases)"] if "before" in c else [])
+            + _drift_lines(c) + _cache_lines(c))
 
 
 def _cache_lines(c: dict) -> list[str]:
@@ -154,7 +156,8 @@ def pyplot():
 
 def host_line(info: dict) -> str:
     """'CPU ..., N threads, torch ...' from a dict with some of cpu / threads / torch_version."""
-    return ", ".join(str(x) for x in (info.get("cpu"), info.get("threads") and f"{info['threads']} threads",
+    return ", ".join(str(x) for x in (info.get("cpu"), info.get("cpu_class") and f"CPU {info['cpu_class']}",
+                                      info.get("threads") and f"{info['threads']} threads",
                                       info.get("torch_version") and f"torch {info['torch_version']}") if x)
 
 
