@@ -7,7 +7,8 @@ target) and, for the decode prefetch policy, by vendor. Users run FIA on five cl
 2. AVX-512 without BF16 (Intel Skylake-SP, Cascade Lake, Ice Lake): 16-lane float32 FMA kernels;
 3. AVX-512 with BF16 (AMD Zen 4 / 5, Intel Cooper Lake): bf16 dot products (`vdpbf16ps`);
 4. AMX (Intel Sapphire Rapids and later): as 3, plus AMX tiles for decode items of many query rows;
-5. aarch64 (Graviton, Kunpeng) and other CPUs: the generic compiled loops and the torch backend.
+5. aarch64 (Graviton, Kunpeng): the decode kernels' 8-lane float32 form (LLVM vector IR, lowered to NEON; not
+   measured here), ATen's flash kernel for prefill.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ class CpuClass(NamedTuple):
 def cpu_class() -> CpuClass:
     """This process's CPU class, as the kernels see it (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES emulate another)."""
     if platform.machine().lower() in ("aarch64", "arm64"):
-        return CpuClass(5, "aarch64: generic compiled loops", "")
+        return CpuClass(5, "aarch64: 8-lane float32 decode kernels, ATen's prefill", "")
     vendor = "AMD" if target_has("sse4a") else "Intel"      # (sse4a: AMD only; the decode prefetch policy)
     if target_has("amx-tile", "amx-bf16", "avx512bf16"):
         return CpuClass(4, "AMX + AVX-512 with BF16", vendor)
