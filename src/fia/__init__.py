@@ -14,6 +14,17 @@ from .kernel_warmup import warmup
 from .dispatch_report import DispatchReport, explain
 from .errors import FiaBackendUnavailable, FiaError, FiaInputError, FiaMemoryError, FiaRuntimeError, FiaUnsupportedError
 
+
+
+def install_as_torch_npu():
+    """Let code written for Ascend run unchanged: afterwards ``import torch_npu`` yields FIA's torch_npu namespace
+    (fia.torch_npu) and ``torch.ops.npu.<op>`` resolves for every operator FIA implements. Idempotent; refuses
+    (FiaUnsupportedError, nothing changed) where the real torch_npu is importable. ``python -m fia run SCRIPT``
+    runs a script with it installed."""
+    from .torch_npu import install
+    return install()
+
+
 __version__ = "0.1.0"  # the one version source (pyproject.toml reads it: dynamic version)
 
 __all__ = [
@@ -24,5 +35,5 @@ __all__ = [
     "FiaError", "FiaInputError", "FiaUnsupportedError", "FiaRuntimeError", "FiaMemoryError",
     "get_validation_mode", "set_validation_mode", "validation_mode",
     "get_backend", "set_backend", "use_backend",
-    "explain", "DispatchReport", "aclnn", "graph", "warmup", "FiaBackendUnavailable",
+    "explain", "DispatchReport", "aclnn", "graph", "warmup", "FiaBackendUnavailable", "install_as_torch_npu",
 ]

@@ -288,17 +288,6 @@ OPS: Dict[str, OpSpec] = {s.name: s for s in (
             _workspace_result),
 )}
 
-_LIB = torch.library.Library(NAMESPACE, "DEF")
-for _spec in OPS.values():
-    for _kv_list in (False, True):
-        _LIB.define(op_schema(_spec, _kv_list))
-        _overload = _spec.name + (".kv_list" if _kv_list else "")
-        _LIB.impl(_overload, _real_kernel(_spec), "CompositeExplicitAutograd")
-        torch.library.register_fake(f"{NAMESPACE}::{_overload}", _fake_kernel(_spec), lib=_LIB)
-    if _spec.lse_flag:
-        _LIB.define(op_out_schema(_spec))
-        _LIB.impl(_spec.name + ".out", _out_kernel(_spec), "CompositeImplicitAutograd")
-
 # the graph-capture output helpers (torch_npu's `_infer_output`): shape-only functions, so the eager function is
 # also the fake kernel (it allocates on the query's device: fake / meta tensors under tracing)
 INFER_OUTPUT = (eager._npu_fused_infer_attention_score_infer_output,
@@ -314,14 +303,35 @@ def plain_op_schema(fn: Callable, returns: str) -> str:
     return f"{fn.__name__}({', '.join(pos + ['*'] + kw)}) -> {returns}"
 
 
-for _fn in INFER_OUTPUT:
-    _LIB.define(plain_op_schema(_fn, _PAIR))
-    _LIB.impl(_fn.__name__, _fn, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"{NAMESPACE}::{_fn.__name__}", _fn, lib=_LIB)
+_LIBS: Dict[str, torch.library.Library] = {}     # namespace -> its library (kept alive: dropping it unregisters)
 
-_LIB.define("npu_attention_update(Tensor[] lse, Tensor[] local_out, int update_type=0) -> (Tensor, Tensor?)")
-_LIB.impl("npu_attention_update", eager.npu_attention_update, "CompositeExplicitAutograd")
-torch.library.register_fake(f"{NAMESPACE}::npu_attention_update", eager.npu_attention_update, lib=_LIB)
+
+def register(namespace: str) -> None:
+    """Define every operator above in `namespace` (torch.ops.<namespace>.<name>): the same schemas and kernels.
+    FIA's own namespace at import; "npu" through fia.install_as_torch_npu (code that calls torch.ops.npu.*)."""
+    if namespace in _LIBS:
+        return
+    lib = torch.library.Library(namespace, "DEF")
+    for spec in OPS.values():
+        for kv_list in (False, True):
+            lib.define(op_schema(spec, kv_list))
+            overload = spec.name + (".kv_list" if kv_list else "")
+            lib.impl(overload, _real_kernel(spec), "CompositeExplicitAutograd")
+            torch.library.register_fake(f"{namespace}::{overload}", _fake_kernel(spec), lib=lib)
+        if spec.lse_flag:
+            lib.define(op_out_schema(spec))
+            lib.impl(spec.name + ".out", _out_kernel(spec), "CompositeImplicitAutograd")
+    for fn in INFER_OUTPUT:
+        lib.define(plain_op_schema(fn, _PAIR))
+        lib.impl(fn.__name__, fn, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"{namespace}::{fn.__name__}", fn, lib=lib)
+    lib.define("npu_attention_update(Tensor[] lse, Tensor[] local_out, int update_type=0) -> (Tensor, Tensor?)")
+    lib.impl("npu_attention_update", eager.npu_attention_update, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{namespace}::npu_attention_update", eager.npu_attention_update, lib=lib)
+    _LIBS[namespace] = lib
+
+
+register(NAMESPACE)
 
 
 def op(name: str, kv_list: bool = False, out: bool = False):

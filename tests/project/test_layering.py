@@ -21,8 +21,9 @@ LAYERS = [
     ("fia.cpu",),
     ("fia.backends",),
     ("fia.finalize", "fia.merge", "fia.outvariants", "fia.replay", "fia.eager"),
-    ("fia.graph", "fia.api", "fia.aclnn", "fia.dispatch_report", "fia.kernel_warmup", "fia.__main__", "fia"),
-    ("fia.bench", "fia.integrations", "fia.distributed", "fia.torch_npu"),
+    ("fia.graph", "fia.api", "fia.aclnn", "fia.dispatch_report", "fia.kernel_warmup", "fia.torch_npu",
+     "fia.__main__", "fia"),
+    ("fia.bench", "fia.integrations", "fia.distributed"),
 ]
 
 
