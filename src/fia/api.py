@@ -56,7 +56,7 @@ def _host_int(x):
 
 def _host_ints(name: str, v, outside_compile: bool):
     """Lengths for the op schema: lists / tuples / NumPy arrays -> lists of ints. A tensor: under torch.compile
-    it stays (the schema rejects it: a host read inside the graph); elsewhere (FakeTensorMode, make_fx,
+    it stays (the op's tensor_lengths overload reads it when the graph runs); elsewhere (FakeTensorMode, make_fx,
     torch.jit.trace) its values are read if it has any, and recorded as constants like every other int."""
     if isinstance(v, (list, tuple)):
         return [_host_int(x) for x in v]
@@ -100,6 +100,10 @@ def _traced_call(spec: OpSpec, query, key, value, kwargs: dict, out: bool = Fals
             raise FiaUnsupportedError(f"{spec.name}.out: graph mode has no .out overload for tensor-list "
                                       "key/value; call the functional form", {})
         return op(spec.name, kv_list=True)(query, list(key), list(value), **kw)
+    if not outside_compile and not out and any(isinstance(kw.get(n), _Tensor) for n in INT_LISTS):
+        # lengths as int tensors inside torch.compile: read by the real kernel when the graph runs (validated there),
+        # never by the trace, so a decode loop's new lengths neither break the graph nor recompile it
+        return op(spec.name, tensor_lengths=True)(query, key, value, **kw)
     return op(spec.name, out=out)(query, key, value, **kw)
 
 

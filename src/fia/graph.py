@@ -36,8 +36,11 @@ tensors carry out on metadata.
 Inference-only, as on the NPU: no autograd formula is registered, so backward through a graph-mode
 node is not supported (PyTorch warns that the op has no autograd kernel).
 
-Under torch.compile the lengths lists must be Python ints (lists / tuples / NumPy arrays; a lengths
-*tensor* would need a host read inside the graph and is rejected by the schema). Dynamo makes the entries
+Under torch.compile the lengths may be int tensors: the call then takes the ``.tensor_lengths`` overload
+(lengths typed ``Tensor?``), whose fake kernel parses the call without them (output shapes never depend on
+them; the packed TND layouts, whose lengths are required, refuse it) and whose real kernel reads and validates
+them when the graph runs -- no graph break, no recompile when they change (DECISIONS 53). Lengths lists
+(lists / tuples / NumPy arrays of ints) take the other overloads: Dynamo makes the entries
 of a list that changes between calls symbolic after its first recompile; the fake kernel parses their
 example values (`_hinted`: output shapes never depend on the lengths), so a decode loop compiles twice (a
 static graph, then one with symbolic lengths), and each call's real kernel validates its own lengths (an
@@ -109,9 +112,11 @@ class OpSpec:
         return a
 
 
-def _schema_type(name: str, default) -> str:
+def _schema_type(name: str, default, tensor_lengths: bool = False) -> str:
     if default is None:
-        return "SymInt[]?" if name in INT_LISTS else "int?" if name in _OPT_INTS else "Tensor?"
+        if name in INT_LISTS:
+            return "Tensor?" if tensor_lengths else "SymInt[]?"
+        return "int?" if name in _OPT_INTS else "Tensor?"
     if isinstance(default, bool):
         return "bool"
     if isinstance(default, int):
@@ -133,17 +138,18 @@ def _schema_default(default) -> str:
     return repr(default)
 
 
-def _schema_arguments(spec: OpSpec, kv_list: bool) -> list:
+def _schema_arguments(spec: OpSpec, kv_list: bool, tensor_lengths: bool = False) -> list:
     kv = "Tensor[]" if kv_list else "Tensor"
     pos = [f"Tensor {spec.positional[0]}"] + [f"{kv} {n}" for n in spec.positional[1:]]
-    kw = [f"{_schema_type(n, d)} {n}={_schema_default(d)}" for n, d in spec.defaults.items()]
+    kw = [f"{_schema_type(n, d, tensor_lengths)} {n}={_schema_default(d)}" for n, d in spec.defaults.items()]
     return pos + ["*"] + kw
 
 
-def op_schema(spec: OpSpec, kv_list: bool) -> str:
-    """The operator schema (without the namespace), e.g. ``name.kv_list(Tensor query, Tensor[] key, ...)``."""
-    name = spec.name + (".kv_list" if kv_list else "")
-    return f"{name}({', '.join(_schema_arguments(spec, kv_list))}) -> {spec.returns}"
+def op_schema(spec: OpSpec, kv_list: bool, tensor_lengths: bool = False) -> str:
+    """The operator schema (without the namespace), e.g. ``name.kv_list(Tensor query, Tensor[] key, ...)``;
+    ``name.tensor_lengths(...)`` takes the lengths as int tensors (TENSOR_LENGTHS)."""
+    name = spec.name + (".kv_list" if kv_list else ".tensor_lengths" if tensor_lengths else "")
+    return f"{name}({', '.join(_schema_arguments(spec, kv_list, tensor_lengths))}) -> {spec.returns}"
 
 
 def op_out_schema(spec: OpSpec) -> str:
@@ -196,11 +202,26 @@ def _hinted(name: str, v):
     return out
 
 
-def _fake_kernel(spec: OpSpec):
+def _lengths_stand_in(spec: OpSpec, name: str, a: dict):
+    """A lengths tensor of the tensor_lengths overload, for the fake kernel: None (every row / key). The outputs'
+    shapes never depend on the lengths outside the packed layouts, whose lengths are required: there it is FIA's
+    error (pass them as lists)."""
+    t = a[name]
+    if t is None:
+        return None
+    lay = a.get("input_layout", "BSH")
+    if isinstance(lay, str) and "TND" in lay:
+        raise FiaUnsupportedError(f"{spec.name}: {name} as a tensor in a compiled graph is not supported with "
+                                  f"input_layout {lay!r} (packed rows need their lengths when the graph is built); "
+                                  "pass a list of ints", {})
+    return None
+
+
+def _fake_kernel(spec: OpSpec, tensor_lengths: bool = False):
     def kernel(*args, **kwargs):
         a = spec.bind(args, kwargs)
         for name in INT_LISTS.intersection(a):
-            a[name] = _hinted(name, a[name])
+            a[name] = _lengths_stand_in(spec, name, a) if tensor_lengths else _hinted(name, a[name])
         with _unset_fake():
             for name, fill in _HOST_READ.items():
                 if a.get(name) is not None:
@@ -318,6 +339,11 @@ def register(namespace: str) -> None:
             overload = spec.name + (".kv_list" if kv_list else "")
             lib.impl(overload, _real_kernel(spec), "CompositeExplicitAutograd")
             torch.library.register_fake(f"{namespace}::{overload}", _fake_kernel(spec), lib=lib)
+        if INT_LISTS.intersection(spec.defaults):     # lengths as int tensors inside torch.compile (api)
+            lib.define(op_schema(spec, False, tensor_lengths=True))
+            overload = spec.name + ".tensor_lengths"
+            lib.impl(overload, _real_kernel(spec), "CompositeExplicitAutograd")
+            torch.library.register_fake(f"{namespace}::{overload}", _fake_kernel(spec, True), lib=lib)
         if spec.lse_flag:
             lib.define(op_out_schema(spec))
             lib.impl(spec.name + ".out", _out_kernel(spec), "CompositeImplicitAutograd")
@@ -334,9 +360,10 @@ def register(namespace: str) -> None:
 register(NAMESPACE)
 
 
-def op(name: str, kv_list: bool = False, out: bool = False):
+def op(name: str, kv_list: bool = False, out: bool = False, tensor_lengths: bool = False):
     """The OpOverload of a function: ``op("npu_incre_flash_attention")`` -> torch.ops.fia.....default."""
     packet = getattr(getattr(torch.ops, NAMESPACE), name)
-    return packet.out if out else packet.kv_list if kv_list else packet.default
+    return (packet.out if out else packet.kv_list if kv_list else packet.tensor_lengths if tensor_lengths
+            else packet.default)
 
 
