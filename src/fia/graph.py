@@ -37,8 +37,8 @@ Inference-only, as on the NPU: no autograd formula is registered, so backward th
 node is not supported (PyTorch warns that the op has no autograd kernel).
 
 Under torch.compile the lengths may be int tensors: the call then takes the ``.tensor_lengths`` overload
-(lengths typed ``Tensor?``), whose fake kernel parses the call without them (output shapes never depend on
-them; the packed TND layouts, whose lengths are required, refuse it) and whose real kernel reads and validates
+(lengths typed ``Tensor?``), whose fake kernel parses the call with stand-ins (output shapes never depend on
+them: none, or for the packed TND layouts an even share per batch) and whose real kernel reads and validates
 them when the graph runs -- no graph break, no recompile when they change (DECISIONS 53). Lengths lists
 (lists / tuples / NumPy arrays of ints) take the other overloads: Dynamo makes the entries
 of a list that changes between calls symbolic after its first recompile; the fake kernel parses their
@@ -202,19 +202,31 @@ def _hinted(name: str, v):
     return out
 
 
+_Q_LENGTHS = frozenset({"actual_seq_lengths", "actual_seq_qlen"})
+
+
 def _lengths_stand_in(spec: OpSpec, name: str, a: dict):
-    """A lengths tensor of the tensor_lengths overload, for the fake kernel: None (every row / key). The outputs'
-    shapes never depend on the lengths outside the packed layouts, whose lengths are required: there it is FIA's
-    error (pass them as lists)."""
+    """A lengths tensor of the tensor_lengths overload, for the fake kernel (which never reads tensor data): None
+    (every row / key) -- the outputs' shapes never depend on the lengths. The packed layouts (TND, NTD) require
+    them: there each batch gets an even share of the rows (cumulative), and of the keys (cumulative; a paged cache:
+    every block of its table row), which parse accepts wherever the real lengths could be valid."""
     t = a[name]
     if t is None:
         return None
     lay = a.get("input_layout", "BSH")
-    if isinstance(lay, str) and "TND" in lay:
-        raise FiaUnsupportedError(f"{spec.name}: {name} as a tensor in a compiled graph is not supported with "
-                                  f"input_layout {lay!r} (packed rows need their lengths when the graph is built); "
-                                  "pass a list of ints", {})
-    return None
+    if not (isinstance(lay, str) and "TND" in lay):
+        return None
+    if spec.name == "npu_incre_flash_attention":                  # (its actual_seq_lengths are the KV lengths)
+        name = "actual_seq_lengths_kv"
+    n = int(t.shape[0]) if t.dim() == 1 else 1
+    q_lay = lay.split("_")[0]
+    if name in _Q_LENGTHS:
+        total = int(a["query"].shape[1 if q_lay == "NTD" else 0])
+    elif a.get("block_table") is not None:
+        return [int(a["block_table"].shape[-1]) * int(a.get("block_size") or 0)] * n
+    else:
+        total = int(a["key"].shape[1 if q_lay == "NTD" else 0])
+    return [total * (i + 1) // n for i in range(n)]
 
 
 def _fake_kernel(spec: OpSpec, tensor_lengths: bool = False):

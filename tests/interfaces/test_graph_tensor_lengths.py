@@ -89,15 +89,33 @@ def test_invalid_lengths_tensor_is_fias_error_when_the_graph_runs():
         step(q, k, v, torch.tensor([1.5, 2.0]))
 
 
-def test_packed_layouts_need_lengths_lists_in_a_graph():
+def test_packed_layouts_take_lengths_tensors_too():
+    """TND: the query's cumulative lengths and the KV lengths as tensors -- a paged decode step (one row per batch,
+    vllm-ascend's shape) and a dense packed prefill."""
     g = gen(4)
-    q, k = randn((12, N, D), g, F16), randn((12, KVN, D), g, F16)
+    n, kvn, d, bs = 8, 2, 128, 128
+    kc = randn((8, bs, kvn * d), g, torch.bfloat16)
+    table = torch.randperm(8, generator=g)[:6].to(torch.int32).reshape(3, 2)
+    q = randn((3, n, d), g, torch.bfloat16)
+    kw = dict(num_heads=n, num_key_value_heads=kvn, input_layout="TND", block_table=table, block_size=bs)
+    cnt = CompileCounter()
     torch._dynamo.reset()
 
-    @torch.compile(fullgraph=True, backend="eager")
-    def step(q, k, lens):
-        return fia.npu_fused_infer_attention_score(q, k, k, num_heads=N, num_key_value_heads=KVN, input_layout="TND",
-                                                   actual_seq_lengths=lens, actual_seq_lengths_kv=lens)[0]
+    @torch.compile(fullgraph=True, backend=cnt)
+    def step(q, kc, ql, kl):
+        return fia.npu_fused_infer_attention_score(q, kc, kc, actual_seq_lengths=ql, actual_seq_lengths_kv=kl, **kw)[0]
 
-    with pytest.raises(Exception, match="pass a list of ints"):
-        step(q, k, torch.tensor([5, 12]))
+    for m in (20, 70, 200):
+        ql, kl = [1, 2, 3], [m, m + 5, 256]
+        want = fia.npu_fused_infer_attention_score(q, kc, kc, actual_seq_lengths=ql, actual_seq_lengths_kv=kl, **kw)[0]
+        assert torch.equal(step(q, kc, torch.tensor(ql), torch.tensor(kl)), want), m
+        assert torch.isfinite(want).all()
+    assert cnt.frame_count == 1
+
+    qp, kp = randn((12, n, d), g, torch.bfloat16), randn((12, kvn, d), g, torch.bfloat16)
+    kw = dict(num_heads=n, num_key_value_heads=kvn, input_layout="TND")
+    dense = torch.compile(lambda q, k, ql, kl: fia.npu_fused_infer_attention_score(
+        q, k, k, actual_seq_lengths=ql, actual_seq_lengths_kv=kl, **kw)[0], fullgraph=True, backend="eager")
+    want = fia.npu_fused_infer_attention_score(qp, kp, kp, actual_seq_lengths=[5, 12], actual_seq_lengths_kv=[4, 12],
+                                               **kw)[0]
+    assert torch.equal(dense(qp, kp, torch.tensor([5, 12]), torch.tensor([4, 12])), want)
