@@ -54,6 +54,28 @@ def test_dependencies_are_complete(module):
     assert seen - set(start) <= listed, f"{module} also embeds {sorted(seen - set(start) - listed)}"
 
 
+def test_every_cached_kernel_is_keyed_on_its_dependencies():
+    """Every cached compiled function of a kernel module or package uses FIA's locator (its cache keyed on the
+    dependencies' hash): numba picks the locator when the decorator runs, so a package must declare its
+    dependencies before its modules are imported -- else an edit of cpu/simd.py left the old kernels cached."""
+    import importlib
+    import sys as _sys
+
+    from numba.core.registry import CPUDispatcher
+    checked = 0
+    for name, mod in list(_sys.modules.items()):
+        f = getattr(mod, "__file__", None) or ""
+        if not name.startswith("fia.") or KC.module_of(f) is None and not f.endswith("__init__.py"):
+            continue
+        for obj in vars(importlib.import_module(name)).values():
+            if isinstance(obj, CPUDispatcher) and obj.py_func.__module__ == name and obj._cache is not None \
+                    and type(obj._cache).__name__ != "NullCache":
+                loc = obj._cache._impl.locator
+                assert getattr(type(loc), "_fia", False), f"{name}.{obj.py_func.__name__}: {type(loc).__name__}"
+                checked += 1
+    assert checked >= 10
+
+
 def test_hash_changes_with_a_dependency(tmp_path):
     """The hash follows the bytes of every listed file (not just their names)."""
     module = "backends/prefill/kernels.py"

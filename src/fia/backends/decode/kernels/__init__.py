@@ -43,17 +43,18 @@ Integer parameters travel in one int64 array `ip` (params.py) to keep the call o
 from __future__ import annotations
 
 from ....cpu import kernel_cache
-from ....cpu.numerics import (FM, bf16_to_f32, f32_to_bf16_bits, f32_to_half_bits, fexp, fexp2,  # noqa: F401
-                              fp16_to_f32, _f32_to_half_bits_sw, _fp16_bits_to_f32)
-from .dequant import fill_factors  # noqa: F401
-from .items import attend_items  # noqa: F401
-from .merge import attend_merge, merge, split_work  # noqa: F401
-from .params import *  # noqa: F403 -- the launch layout and kernel choice (IP_*, GEO_*, BUF_*, DP_*, KF_*)
-from .rows import fp4_rows, load_rows  # noqa: F401
-from .generic import qk_fused  # noqa: F401
-from .softmax import quant_i16, softmax_chunk  # noqa: F401
 
-# what the package's compiled functions embed besides its own modules (cpu/kernel_cache.py; numba reads it when a
-# kernel is first compiled or loaded, after this import)
+# what the package's compiled functions embed besides its own modules (cpu/kernel_cache.py). Declared before the
+# modules below are imported: numba picks a function's cache locator when its decorator runs, and a module not
+# declared by then is cached on its own file's stamp alone
 kernel_cache.install("backends/decode/kernels/", ("cpu/numerics.py", "cpu/simd.py", "cpu/fma.py", "cpu/vnni.py",
                                                   "cpu/amx.py", "cpu/fp4.py"))
+from ....cpu.numerics import (FM, bf16_to_f32, f32_to_bf16_bits, f32_to_half_bits, fexp, fexp2,  # noqa: E402,F401
+                              fp16_to_f32, _f32_to_half_bits_sw, _fp16_bits_to_f32)
+from .dequant import fill_factors  # noqa: E402,F401
+from .items import attend_items  # noqa: E402,F401
+from .merge import attend_merge, merge, split_work  # noqa: E402,F401
+from .params import *  # noqa: E402,F403 -- the launch layout and kernel choice (IP_*, GEO_*, BUF_*, DP_*, KF_*)
+from .rows import fp4_rows, load_rows  # noqa: E402,F401
+from .generic import qk_fused  # noqa: E402,F401
+from .softmax import quant_i16, softmax_chunk  # noqa: E402,F401
