@@ -74,7 +74,7 @@ def test_qk_dp(kernels, R, n, D):
     assert np.isnan(s[:, n:]).all()                       # nothing written past the keys
 
 
-@pytest.mark.parametrize("R", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("R", [1, 2, 3, 4, 5, 7, 8])
 @pytest.mark.parametrize("n", [1, 2, 3, 8, 13, 64])
 @pytest.mark.parametrize("Dv", [64, 128, 192, 256])
 def test_pv_dp(kernels, R, n, Dv):

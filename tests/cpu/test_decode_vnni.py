@@ -262,7 +262,7 @@ def _acc0(R, Dv, g):
     return a
 
 
-@pytest.mark.parametrize("R", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("R", [1, 2, 3, 4, 5, 7])
 @pytest.mark.parametrize("n", [1, 2, 3, 13, 64, 1100])
 @pytest.mark.parametrize("Dv", [64, 128, 192, 256])
 def test_pv_i8(kernels, R, n, Dv):

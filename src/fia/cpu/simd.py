@@ -598,11 +598,17 @@ def pair_blocks(b, n, block, start, step, finish):
 
 def pv_pairs_kernel(b, op_of, pa, p_rs, va, offp, n, aa, a_rs, R, Dv, x):
     """The body of a key-pair PV kernel (pv_dp, vnni.pv_i8): _pv_rows with op_of(first row) over the
-    pv_row_blocks schedule, 128 channels per pass where Dv allows, else 64."""
-    def rows_of(NR, DG, r0):
+    pv_row_blocks schedule, 128 channels per pass where Dv allows; else 64 channels in blocks of 4 rows (16
+    accumulators: one pass over the V rows for 4 query rows instead of two)."""
+    def rows_of(NR, DG, r0, rows=2):
         _pv_rows(b, op_of(r0), NR, DG, b.add(pa, b.mul(r0, p_rs)), p_rs, va, offp, n,
-                 b.add(aa, b.mul(c64(4), b.mul(r0, a_rs))), a_rs, b.udiv(Dv, c64(DG * 32)), shared(b, x, r0, R, 2))
-    pv_row_blocks(b, R, Dv, ((128, 4), 2), rows_of)
+                 b.add(aa, b.mul(c64(4), b.mul(r0, a_rs))), a_rs, b.udiv(Dv, c64(DG * 32)),
+                 shared(b, x, r0, R, rows))
+    with b.if_else(b.icmp_unsigned("==", b.urem(Dv, c64(128)), c64(0))) as (then, otherwise):
+        with then:
+            pv_row_blocks(b, R, Dv, ((128, 4), 2), rows_of)
+        with otherwise:
+            row_blocks(b, R, lambda NR, r0: rows_of(NR, 2, r0, 4))
 
 
 def pv_row_blocks(b, R, Dv, widths, body):
