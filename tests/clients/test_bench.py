@@ -26,6 +26,7 @@ TINY = [
     C.Case("tiny-prefill-band", "prefill", "bf16", 1, 4, 2, 64, 256, 256, mask="band", pre=32, next=16),
     C.Case("tiny-prefill-pse", "prefill", "fp16", 1, 4, 2, 64, 128, 128, mask="pse"),
     C.Case("tiny-prefill-psecausal", "prefill", "bf16", 1, 4, 2, 64, 128, 128, mask="psecausal"),
+    C.Case("tiny-decode-fp32", "decode", "fp32", 1, 4, 2, 64, 1, 256),       # portable mode, automatic backend
 ]
 IMPL_KEYS = {"status", "peak_mb"}
 CASE_KEYS = {"name", "kind", "dtype", "metric", "ceiling", "ceiling_basis", "kv_bytes", "flops", "check", "fia",

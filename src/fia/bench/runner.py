@@ -207,7 +207,8 @@ def _fia_call(fia, inp: C.Inputs, backend: Optional[str]) -> Callable[[], torch.
         out, _ = fn(*args, **kw)
         return canon(out)
     get = getattr(fia, "get_backend", None)
-    return run_auto if backend is None and get is not None and get() is None else run
+    auto = backend is None and get is not None and get() is None
+    return run_auto if auto and not inp.extra.get("portable") else run
 
 
 def _selected_backend(fia, inp: C.Inputs) -> Optional[str]:
