@@ -15,7 +15,6 @@ from .dispatch_report import DispatchReport, explain
 from .errors import FiaBackendUnavailable, FiaError, FiaInputError, FiaMemoryError, FiaRuntimeError, FiaUnsupportedError
 
 
-
 def install_as_torch_npu():
     """Let code written for Ascend run unchanged: afterwards ``import torch_npu`` yields FIA's torch_npu namespace
     (fia.torch_npu) and ``torch.ops.npu.<op>`` resolves for every operator FIA implements. Idempotent; refuses

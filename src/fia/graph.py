@@ -147,7 +147,7 @@ def _schema_arguments(spec: OpSpec, kv_list: bool, tensor_lengths: bool = False)
 
 def op_schema(spec: OpSpec, kv_list: bool, tensor_lengths: bool = False) -> str:
     """The operator schema (without the namespace), e.g. ``name.kv_list(Tensor query, Tensor[] key, ...)``;
-    ``name.tensor_lengths(...)`` takes the lengths as int tensors (TENSOR_LENGTHS)."""
+    ``name.tensor_lengths(...)`` takes the lengths as int tensors (api._traced_call's under torch.compile)."""
     name = spec.name + (".kv_list" if kv_list else ".tensor_lengths" if tensor_lengths else "")
     return f"{name}({', '.join(_schema_arguments(spec, kv_list, tensor_lengths))}) -> {spec.returns}"
 
@@ -346,16 +346,16 @@ def register(namespace: str) -> None:
         return
     lib = torch.library.Library(namespace, "DEF")
     for spec in OPS.values():
-        for kv_list in (False, True):
-            lib.define(op_schema(spec, kv_list))
-            overload = spec.name + (".kv_list" if kv_list else "")
+        # .default, .kv_list and, for functions with lengths, .tensor_lengths (lengths as int tensors inside
+        # torch.compile: api._traced_call)
+        variants = ((False, False), (True, False)) + (((False, True),) if INT_LISTS.intersection(spec.defaults)
+                                                      else ())
+        for kv_list, tensor_lengths in variants:
+            schema = op_schema(spec, kv_list, tensor_lengths)
+            lib.define(schema)
+            overload = schema.split("(", 1)[0]
             lib.impl(overload, _real_kernel(spec), "CompositeExplicitAutograd")
-            torch.library.register_fake(f"{namespace}::{overload}", _fake_kernel(spec), lib=lib)
-        if INT_LISTS.intersection(spec.defaults):     # lengths as int tensors inside torch.compile (api)
-            lib.define(op_schema(spec, False, tensor_lengths=True))
-            overload = spec.name + ".tensor_lengths"
-            lib.impl(overload, _real_kernel(spec), "CompositeExplicitAutograd")
-            torch.library.register_fake(f"{namespace}::{overload}", _fake_kernel(spec, True), lib=lib)
+            torch.library.register_fake(f"{namespace}::{overload}", _fake_kernel(spec, tensor_lengths), lib=lib)
         if spec.lse_flag:
             lib.define(op_out_schema(spec))
             lib.impl(spec.name + ".out", _out_kernel(spec), "CompositeImplicitAutograd")
