@@ -606,7 +606,7 @@ def pv_pairs_kernel(b, op_of, pa, p_rs, va, offp, n, aa, a_rs, R, Dv, x):
                  shared(b, x, r0, R, rows))
     with b.if_else(b.icmp_unsigned("==", b.urem(Dv, c64(128)), c64(0))) as (then, otherwise):
         with then:
-            pv_row_blocks(b, R, Dv, ((128, 4), 2), rows_of)
+            pv_row_blocks(b, R, Dv, (4,), rows_of)             # (Dv % 128 == 0 here: 4 chunks per pass)
         with otherwise:
             row_blocks(b, R, lambda NR, r0: rows_of(NR, 2, r0, 4))
 
