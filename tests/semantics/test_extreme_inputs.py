@@ -165,3 +165,33 @@ def test_extreme_values_give_the_references_nan_and_inf_on_every_backend():
                 assert float((a - b).abs().max()) <= 2e-2 * max(1.0, float(b.abs().max())), f"{where}: values"
             compared += 1
     assert compared >= len(EXT_SEEDS) // 2          # (the sweep compares backends, not just draws cases)
+
+
+@pytest.mark.parametrize("case", ["scale1e38", "query_at_max", "key_at_max"])
+def test_finite_extremes_match_the_float64_formula_on_every_backend(case):
+    """Finite inputs whose float32 scores overflow: every backend gives the float64 formula's answer (tests/naive.py)
+    within the usual tolerances -- a finite output, and the lse rounded to float32 (beyond float32's range: +inf)."""
+    import naive
+    g = gen(20_000 + len(case))
+    q, k, v = randn((2, 4, 1, 64), g, BF16), randn((2, 2, 96, 64), g, BF16), randn((2, 2, 96, 64), g, BF16)
+    scale = 0.125
+    if case == "scale1e38":
+        scale = 1e38
+    elif case == "query_at_max":
+        q[0, 1, 0, :] = torch.finfo(BF16).max
+    else:
+        k[1, 0, 7, :] = torch.finfo(BF16).max
+    want_o, want_l = naive.attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), scale=scale)
+    ran = []
+    for be in [b.name for b in registry.backends()]:
+        try:
+            with fia.use_backend(be):
+                out, lse = fia.npu_fused_infer_attention_score(q, k, v, num_heads=4, num_key_value_heads=2,
+                                                               input_layout="BNSD", scale=scale, softmax_lse_flag=True)
+        except FiaBackendUnavailable:                      # (prefill: Q_S > 1 only)
+            continue
+        ran.append(be)
+        assert torch.isfinite(out).all(), be
+        assert float((out.double() - want_o).abs().max()) <= 1e-2 * max(1.0, float(want_o.abs().max())), be
+        assert torch.allclose(lse.reshape(want_l.shape), want_l.float(), rtol=1e-3, atol=1e-3), be   # (inf == inf)
+    assert "reference" in ran and len(ran) >= 2, ran
