@@ -7,6 +7,7 @@ The caches (each made here with a name; `registered()` lists them):
 * decode.plans: the decode backend's plans per parse-memo key and tuning (backends/decode/plan.py);
 * decode.out_layouts, prefill.band_tiles: small pure functions of their arguments (`memoize`);
 * replay.table / replay.seen: the call replays (replay.py), and the lengths-replay keys seen once;
+* replay.site.*: the replays a caller's call site found (replay.Site: the transformers integration's);
 * transformers.mask_plans: the transformers integration's analysis of each attention mask tensor.
 
 Policy: every cache has a size bound and is cleared when full (one rule for all of them). Not least-recently-used

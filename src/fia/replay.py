@@ -143,14 +143,18 @@ def key_of(name: str, q, k, v, kw: dict) -> Optional[tuple]:
     signs = tuple(map(math.copysign, _ONES, compress(vals, map(is_, types, _FLOATS))))     # -0.0 vs 0.0
     ax = _kv_axis(name, k, v, kw) if tens is None else None
     try:
-        if ax is None:
-            kmeta = (k.shape, k.stride(), v.shape, v.stride())
-        else:                                          # a growing cache: KV_S (and the strides it makes) per call
-            kmeta = (k.shape[:ax] + k.shape[ax + 1:], v.shape[:ax] + v.shape[ax + 1:])
-        return (name, q.dtype, q.shape, q.stride(), k.dtype, v.dtype, kmeta, tuple(kw), vals, types, signs,
-                get_validation_mode(), get_backend(), torch.get_num_threads(), tens, lens, ax)
+        return (name, q.dtype, q.shape, q.stride(), k.dtype, v.dtype, _kmeta(k, v, ax), tuple(kw), vals, types,
+                signs, get_validation_mode(), get_backend(), torch.get_num_threads(), tens, lens, ax)
     except RuntimeError:                               # a layout without strides
         return None
+
+
+def _kmeta(k, v, ax: Optional[int]) -> tuple:
+    """The key's K / V metadata: shapes and strides; a growing cache's (ax: its sequence axis) without KV_S (and
+    the strides it makes), which each call brings."""
+    if ax is None:
+        return (k.shape, k.stride(), v.shape, v.stride())
+    return (k.shape[:ax] + k.shape[ax + 1:], v.shape[:ax] + v.shape[ax + 1:])
 
 
 def run(key: tuple, q, k, v, kw: dict):
@@ -244,6 +248,53 @@ def _same(got, want: tuple) -> bool:
         if not torch.equal(a, b):
             return False
     return True
+
+
+class Site:
+    """One call site of a caller that repeats its call (an integration's attention function): the replay of each
+    `guard` it has seen, found again without key_of. The caller's guard names everything its keyword arguments
+    are made of except the values of the KV lengths (and the data of the _TENSOR_ARGS tensors): equal guards,
+    equal tensor metadata (`_meta`) and equal modes make equal replay keys. Calls inside torch.compile, under a
+    dispatch mode or torch.jit.trace are never served (the entry point's own rules: fia.api)."""
+
+    def __init__(self, name: str, site: str):
+        self.name = name                            # the entry point
+        self.table = caches.BoundedCache(f"replay.site.{site}", _MAX)      # meta -> (key, replay) or _NEVER
+
+    def call(self, guard: tuple, fn, q, k, v, kw: dict):
+        """fn(q, k, v, **kw) -- the entry point `name`, which admits replays (fia.api) -- or its replay."""
+        if torch.compiler.is_compiling() or _dispatch_modes() or _jit_tracing():
+            return fn(q, k, v, **kw)
+        meta = self._meta(guard, q, k, v, kw)
+        hit = self.table.get(meta)
+        if hit is _NEVER:
+            return fn(q, k, v, **kw)
+        if hit is not None:
+            res = _replayed(hit[1], hit[0], q, k, v, kw)
+            if res is not None:
+                stats["replayed"] += 1
+                return res
+        res = fn(q, k, v, **kw)
+        key = key_of(self.name, q, k, v, kw)
+        r = _NEVER if key is None else _TABLE.get(key)
+        if r is not None:                          # (None: not admitted yet -- maybe the next time)
+            self.table.put(meta, r if r is _NEVER else (key, r))
+        return res
+
+    def _meta(self, guard: tuple, q, k, v, kw: dict) -> tuple:
+        """The site's lookup key: the caller's guard, what key_of reads of the tensors (plain CPU strided ones
+        only: else a key no `learn` stores) and the modes."""
+        plain = type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor and q.is_cpu and k.is_cpu \
+            and v.is_cpu and q.layout == torch.strided and not (q.is_neg() or k.is_neg() or v.is_neg())
+        if not plain:
+            return (None,)
+        ax = _kv_axis(self.name, k, v, kw) if _TENSOR_ARGS.isdisjoint(kw) else None   # (key_of's, or finer)
+        return (guard, q.dtype, q.shape, q.stride(), k.dtype, v.dtype, _kmeta(k, v, ax), get_validation_mode(),
+                get_backend(), torch.get_num_threads())
+
+
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_jit_tracing = torch._C._is_tracing
 
 
 def clear() -> None:

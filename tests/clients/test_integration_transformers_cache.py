@@ -149,6 +149,27 @@ def test_decode_steps_are_one_signature_with_lengths(calls):
     assert all("atten_mask" not in c and "kv_padding_size" not in c for c in decode)
 
 
+@pytest.mark.parametrize("kind,dtype", [("fia", torch.bfloat16), ("fia", torch.float32), ("fia_int8", torch.bfloat16),
+                                        ("dynamic", torch.bfloat16), ("dynamic", torch.float32)])
+def test_decode_steps_replay_at_the_call_site(kind, dtype, monkeypatch):
+    """Decode steps go through the integration's replay call site (fia.replay.Site): after admission every step
+    of every layer is a replay, and the logits equal those of the same generation with the site turned off."""
+    from fia import replay
+    _, mine = _models(dtype)
+    ids, mask = _batch(seq=7, pad=0, seed=8)
+
+    def cache():
+        return DynamicCache(config=mine.config) if kind == "dynamic" else \
+            FiaCache(mine.config, quantize="int8" if kind == "fia_int8" else None)
+    before = replay.stats["replayed"]
+    got, gtok = _step_logits(mine, ids, mask, cache(), 8)
+    served = replay.stats["replayed"] - before
+    assert served >= 5 * COMMON["num_hidden_layers"], served
+    monkeypatch.setattr(FT.common, "_PUBLIC", None)              # the site off: every call the entry point's
+    want, wtok = _step_logits(mine, ids, mask, cache(), 8)
+    assert torch.equal(got, want) and torch.equal(gtok, wtok)
+
+
 def test_errors_for_what_the_cache_cannot_hold():
     cfg = transformers.LlamaConfig(**COMMON)
     with pytest.raises(ValueError, match="quantize: expected one of"):

@@ -706,3 +706,56 @@ def test_growing_key():
     sc = torch.rand(2, 64)
     assert replay.key_of(FUSED, q, k10.to(torch.int8), k10.to(torch.int8), dict(kw, antiquant_scale=sc))[-1] is None
     assert replay.key_of(FUSED, q, k10, k10, dict(kw, atten_mask=torch.zeros(2, 1, 10, dtype=torch.bool))) is None
+
+
+def _site_call(site, guard, q, k, v, kw):
+    return site.call(guard, fia.npu_fused_infer_attention_score, q, k, v, dict(kw))
+
+
+@pytest.mark.parametrize("cache", ["buffers", "growing", "int8"])
+def test_site_serves_a_decode_loop_exactly(cache):
+    """replay.Site (the transformers integration's call site): a decode loop over preallocated buffers (FiaCache),
+    a cache that grows by a token a step (DynamicCache) and int8 buffers with per-token scales. Each step's
+    result equals the full path bit for bit; the site serves the steps after admission; a change of thread count,
+    validation mode or query dtype under the same guard is a new site key (never another call's replay)."""
+    site = replay.Site("npu_fused_infer_attention_score", "test")
+    g = gen(961)
+    B, N, KV_N, D, cap = 2, 8, 2, 64, 96
+    kb, vb = randn((B, KV_N, cap, D), g, torch.bfloat16), randn((B, KV_N, cap, D), g, torch.bfloat16)
+    extra = {}
+    if cache == "int8":
+        kb, vb = (torch.randint(-127, 128, (B, KV_N, cap, D), generator=g, dtype=torch.int8) for _ in range(2))
+        extra = dict(key_antiquant_scale=torch.rand(B, KV_N, cap, generator=g) * 0.02 + 1e-3,
+                     value_antiquant_scale=torch.rand(B, KV_N, cap, generator=g) * 0.02 + 1e-3,
+                     key_antiquant_mode=3, value_antiquant_mode=3)
+    served0 = replay.stats["replayed"]
+    threads = torch.get_num_threads()
+    try:
+        for step, length in enumerate(range(40, 70)):
+            qdt = torch.float16 if step in (20, 21) else torch.bfloat16
+            torch.set_num_threads(1 if step in (10, 11, 12) else max(2, threads))
+            q = randn((B, N, 1, D), g, qdt)
+            if cache == "growing":
+                k, v = kb[:, :, :length].contiguous(), vb[:, :, :length].contiguous()
+                kw = {}
+            else:
+                k, v = kb, vb
+                kw = dict(actual_seq_lengths_kv=[length, length - 7], **extra)
+            if cache != "int8" and qdt != kb.dtype:
+                k, v = k.to(qdt), v.to(qdt)
+            kw.update(num_heads=N, num_key_value_heads=KV_N, input_layout="BNSD", scale=D ** -0.5)
+            guard = ("test", tuple(kw))
+            if step in (25, 26):
+                with fia.validation_mode("portable"):
+                    got = _site_call(site, guard, q, k, v, kw)
+                    want = full_path(fia.npu_fused_infer_attention_score, q, k, v, **kw)
+            else:
+                got = _site_call(site, guard, q, k, v, kw)
+                want = full_path(fia.npu_fused_infer_attention_score, q, k, v, **kw)
+            assert bits_equal(got[0], want[0]) and got[1].shape == want[1].shape, step
+    finally:
+        torch.set_num_threads(threads)
+    assert replay.stats["replayed"] - served0 >= 20
+    metas = list(site.table)
+    assert len({m[1] for m in metas}) == 2                      # query dtypes bf16 / fp16: separate entries
+    assert len({m[-1] for m in metas}) >= 2                     # thread counts

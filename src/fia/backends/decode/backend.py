@@ -60,7 +60,8 @@ def _generic_items(fn, sig) -> bool:
 
 # the backend's kernel sets (fia.cpu.jit), their warm-up calls in fia.kernel_warmup (made through the public API)
 jit.register(jit.KernelSet("decode", "fia.backends.decode.kernels",
-                           ("kernel_flags", "split_work", "fill_factors", "attend_items", "merge", "attend_merge"),
+                           ("kernel_flags", "split_work", "schedule", "replan", "fill_factors", "attend_items", "merge",
+                            "attend_merge"),
                            "fia.kernel_warmup:run_decode"))
 # int4 K or V, MLA rope, head dims not multiples of 16: attend_items' second build (about half the
 # decode build's compile time), needed by few calls

@@ -225,7 +225,7 @@ def _launch_plan(src: Source, ip: list, K, work: np.ndarray, w0: int, w1: int, H
     src.ints(ip, K)
     key_bytes = _key_bytes(K, ip)
     ip[K.IP_DP] = _dp_flags(K, key_bytes, keys, H, pv)
-    items, t = _schedule(work, H, R, threads, keys, ip[K.IP_HB], key_bytes)
+    items, t = _schedule(K, work, H, R, threads, keys, ip[K.IP_HB], key_bytes)
     return Launch(np.array(ip, np.int64), work, w0, w1, items, t, src.generic(bool(ip[K.IP_DP] & K.DP_F32)),
                   key_bytes)
 
@@ -251,39 +251,28 @@ def _dp_flags(K, key_bytes: float, keys: int, H: int, pv: bool = True) -> int:
     return flags
 
 
-def _schedule(work: np.ndarray, H: int, R: int, threads: int, keys: int, hb: int = 1, key_bytes: float = 0.0):
+def _schedule(K, work: np.ndarray, H: int, R: int, threads: int, keys: int, hb: int = 1, key_bytes: float = 0.0):
     """(items in the order the threads take them, threads) of work entries x H KV heads of R rows, hb heads
-    per item, key_bytes of K / V per key and KV head. One thread for small work (PARALLEL_MIN_WORK,
-    PARALLEL_MIN_BYTES)."""
-    ng = H // hb
-    n = work.shape[1] * ng
-    t = min(threads, n)
-    rows_work = keys * H * R
-    if t <= 1 or rows_work < PARALLEL_MIN_WORK or (
-            keys * H * key_bytes <= PARALLEL_MIN_BYTES and rows_work < 16 * PARALLEL_MIN_WORK):
-        return np.arange(n, dtype=np.int64), 1
-    return np.argsort(-np.repeat(work[2] - work[1], ng), kind="stable").astype(np.int64), t
+    per item, key_bytes of K / V per key and KV head (kernels.schedule). One thread for small work
+    (PARALLEL_MIN_WORK, PARALLEL_MIN_BYTES)."""
+    return K.schedule(work, H // hb, H, R, threads, keys, float(key_bytes), PARALLEL_MIN_WORK, PARALLEL_MIN_BYTES)
 
 
 def relength(plan: Plan, p: AttentionProblem, kv_lens: np.ndarray, K, threads: int):
     """plan (p's: one dense KV source serving every work entry, right-padded keys, no shared prefix, no band)
     for other KV lengths kv_lens [B] of the same metadata -- what _plan gives for p with those lengths,
-    rebuilding only the parts they shape: the geometry's key count row (as _geometry: s2 = the batch's keys),
-    the own keys, work split, item schedule (tests/interfaces/test_replay.py compares the two). None where no work entry
-    is left (the full path handles it)."""
-    geo = plan.geo.copy()
-    geo[K.GEO_S2] = kv_lens
-    lens = kv_lens * (geo[K.GEO_QHI] > geo[K.GEO_QLO])                 # batches without query rows: no keys
-    keys = int(lens.sum())
+    rebuilding only the parts they shape (kernels.replan, one dispatch): the geometry's key count row (as
+    _geometry: s2 = the batch's keys), the own keys, work split, item schedule (tests/interfaces/test_replay.py
+    compares the two). None where no work entry is left (the full path handles it)."""
     launch = plan.own[0]
     ip = launch.ip
     hb = int(ip[K.IP_HB])
-    work, wrange = K.split_work(lens, np.zeros(len(lens), np.int64), p.KV_N // hb, threads, int(ip[K.IP_C]),
-                                MIN_SPLIT, ITEMS_PER_THREAD)
+    geo, work, wrange, items, t, keys = K.replan(
+        plan.geo, kv_lens, p.KV_N // hb, threads, int(ip[K.IP_C]), MIN_SPLIT, ITEMS_PER_THREAD, p.KV_N,
+        p.G * p.Q_S, launch.key_bytes, PARALLEL_MIN_WORK, PARALLEL_MIN_BYTES)
     W = work.shape[1]
     if W == 0:
         return None
-    items, t = _schedule(work, p.KV_N, p.G * p.Q_S, threads, keys, hb, launch.key_bytes)
     flags = _dp_flags(K, launch.key_bytes, keys, p.KV_N, _pv_dp(p))
     if flags != ip[K.IP_DP]:                      # (the prefetch choice follows the bytes read)
         ip = ip.copy()

@@ -147,7 +147,12 @@ class Replay:
         if self.paged is not None:
             bs = self.paged[0]
             used = np.array([(n + bs - 1) // bs for n in lens], np.int64)
-        return plan, plan.own[0], parts, np.array(parts + (plan.out_bytes, self.lse_bytes), np.int64), used
+        launch = plan.own[0]
+        dims = np.array(parts + (plan.out_bytes, self.lse_bytes), np.int64)
+        # attend_merge's arguments around the per-call ones (bufs ... factors ... out, lse)
+        head = (launch.items, launch.ip, plan.fp, plan.geo, launch.work)
+        tail = (launch.generic, plan.mp, plan.wrange, plan.pwrange)
+        return plan, launch, parts, dims, used, head, tail, plan.obase
 
     def _table(self, table, used: np.ndarray) -> Optional[np.ndarray]:
         """A paged call's block table as the kernels read it (int64 [B, MB]), or None where parse would refuse
@@ -207,7 +212,7 @@ class Replay:
     def __call__(self, q, k, v, lens=None, table=None, extras=(), kv_s=None):
         K = loader.K
         tbl = self.tbls[0]
-        bufs = self.bufs.copy()
+        bufs = self.bufs.copy()                     # (filled per call: concurrent calls share the replay)
         if self.growing is not None:
             if kv_s is None:
                 return None
@@ -227,11 +232,14 @@ class Replay:
             if self.stale():
                 return None
             prepared = self.prepared
-        plan, launch, parts, dims, _ = prepared
-        got = self._factors(extras)
-        if got is None:                             # exceptional factors: the full path (decode backend: the reference)
-            return None
-        kchan, factors = got
+        plan, launch, parts, dims, _, head, tail, obase = prepared
+        if self.aq is None:
+            kchan, factors = self.kchan, self.factors
+        else:
+            got = self._factors(extras)
+            if got is None:                         # exceptional factors: the full path (decode backend: the reference)
+                return None
+            kchan, factors = got
         s, d = self.slots, self.deltas
         bufs[0, s[0]], bufs[0, s[1]], bufs[0, s[2]] = q.data_ptr() + d[0], k.data_ptr() + d[1], v.data_ptr() + d[2]
         kt_tbl, vt_tbl = self.tbls[1], self.tbls[2]
@@ -247,9 +255,8 @@ class Replay:
         else:
             lse, lse_addr = torch.empty(0, dtype=torch.float32), self.scratch[1]
         if launch.threads == 1:                     # attend + merge in one dispatch (a non-finite row: the full path)
-            if K.attend_merge(launch.items, launch.ip, plan.fp, plan.geo, launch.work, tbl, bufs, kchan,
-                           kt_tbl, vt_tbl, launch.generic, plan.mp, plan.wrange, plan.pwrange,
-                           *factors, plan.obase, dims, out.data_ptr(), lse_addr[0], QK_STATS):
+            if K.attend_merge(*head, tbl, bufs, kchan, kt_tbl, vt_tbl, *tail, *factors, obase, dims, out.data_ptr(),
+                              lse_addr[0], QK_STATS):
                 return None
             return out, lse
         po = partials(*parts)

@@ -1,12 +1,17 @@
 """The attention function registered as "fia": transformers' call (as sdpa_attention_forward) -> one FIA call."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import batching, models
 from .cache import layer_of
 from .common import template, unsupported
 from .masks import mask_plan
+
+# keyword arguments a decode step's guard does not cover (the step then takes the usual path)
+_UNGUARDED = frozenset({"kv_padding_size", "atten_mask", "learnable_sink", "query_rope", "key_rope"})
 
 
 def fia_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -32,10 +37,20 @@ def fia_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     scale = float(scaling) if scaling is not None else d ** -0.5
     layer = layer_of(key)                                          # an FiaCache buffer: its length is known
+    key_scales, value_scales = (None, None) if layer is None else (layer.key_scales, layer.value_scales)
     if layer is not None and attention_mask is None:               # (transformers skipped an all-causal mask)
         kw = {"actual_seq_lengths_kv": [layer.length]}
         if q_len > 1 and causal:
             kw["sparse_mode"] = 3                                  # right-down: the new tokens end the window
+    elif layer is not None and attention_mask.shape[-1] < kv_len:     # the mask covers the positions written
+        kw = _on_buffers(mask_plan(attention_mask, q_len, attention_mask.shape[-1], bool(causal), sliding_window),
+                         attention_mask.shape[-1], kv_len)
+        if kw is None:                                             # a general mask: the buffers cut to its keys
+            kv_len = attention_mask.shape[-1]
+            key, value = key[:, :, :kv_len], value[:, :, :kv_len]
+            if key_scales is not None:
+                key_scales, value_scales = key_scales[:, :, :kv_len], value_scales[:, :, :kv_len]
+            kw = dict(mask_plan(attention_mask, q_len, kv_len, bool(causal), sliding_window))
     else:
         kw = dict(mask_plan(attention_mask, q_len, kv_len, bool(causal), sliding_window))
     if kwargs.get("s_aux") is not None:                            # gpt-oss: FIA's learnable sinks (SPEC 1.1b)
@@ -43,15 +58,21 @@ def fia_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
     if kw.get("sparse_mode") in (3, 4):
         kw["atten_mask"] = template(query.device)
     if key.dtype == torch.int8:                                    # an int8 FiaCache's decode step
-        if layer is None or layer.key_scales is None or q_len != 1:
+        if layer is None or key_scales is None or q_len != 1:
             unsupported("int8 key / value states", "only an int8 FiaCache's decode steps pass them (with its scales)")
-        kw.update(key_antiquant_scale=layer.key_scales, value_antiquant_scale=layer.value_scales,
+        kw.update(key_antiquant_scale=key_scales, value_antiquant_scale=value_scales,
                   key_antiquant_mode=3, value_antiquant_mode=3)   # per token and KV head, [B, KV_N, capacity]
     layout = "BNSD_BSND" if q_len > 1 else "BNSD"
     dv = value.shape[-1]
     query, key, value, portable = models.fit_head_dims(query, key, value, kw)     # DeepSeek-V3: D 192, Dv 128
-    out, _ = models.call(query, key, value, num_heads=n, num_key_value_heads=kv_n, input_layout=layout, scale=scale,
-                         portable=portable, **kw)
+    guard = None
+    if q_len == 1 and not portable and _UNGUARDED.isdisjoint(kw):      # a decode step: fia.replay.Site's guard
+        lens = kw.get("actual_seq_lengths_kv")
+        guard = (n, kv_n, scale, math.copysign(1.0, scale), tuple(kw), None if lens is None else len(lens))
+        if key_scales is not None:
+            guard += (key_scales.shape, key_scales.stride(), value_scales.shape, value_scales.stride())
+    kw.update(num_heads=n, num_key_value_heads=kv_n, input_layout=layout, scale=scale)
+    out, _ = models.call(query, key, value, kw, portable, guard)
     if out.shape[-1] != dv:
         out = out[..., :dv]                                        # the zero-padded value channels
     if q_len == 1:
@@ -59,3 +80,17 @@ def fia_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
     return out, None
 
 
+
+
+def _on_buffers(plan: dict, written: int, capacity: int):
+    """A mask plan over the `written` positions of an FiaCache layer, for its buffers of `capacity` positions (the
+    same call signature every step): padding sizes count from the buffers' end, no lengths means all written
+    ones. None for a general mask (its width is the mask's)."""
+    if "atten_mask" in plan:
+        return None
+    kw = dict(plan)
+    if "kv_padding_size" in kw:
+        kw["kv_padding_size"] = kw["kv_padding_size"] + (capacity - written)
+    elif "actual_seq_lengths_kv" not in kw:
+        kw["actual_seq_lengths_kv"] = [written]
+    return kw

@@ -41,7 +41,8 @@ def packed_forward(module, query, key, value, scaling, is_causal, sliding_window
             kw["sparse_mode"], kw["pre_tokens"], kw["next_tokens"] = 4, int(sliding_window) - 1, 0
     scale = float(scaling) if scaling is not None else d ** -0.5
     kw.update(models.sink_kw(kwargs.get("s_aux"), n, query.dtype))           # gpt-oss
-    out, _ = models.call(q, k, v, num_heads=n, num_key_value_heads=kv_n, input_layout="TND", scale=scale, **kw)
+    kw.update(num_heads=n, num_key_value_heads=kv_n, input_layout="TND", scale=scale)
+    out, _ = models.call(q, k, v, kw)
     if t < query.shape[2]:                                         # padded query tokens (static shapes): zeros
         out = torch.cat([out, out.new_zeros(query.shape[2] - t, n, out.shape[-1])])
     return out.unsqueeze(0), None                                  # [1, T, N, Dv]
@@ -72,7 +73,7 @@ def paged_decode_forward(module, query, key, value, scaling, kwargs):
               block_size=page, actual_seq_lengths_kv=lengths,
               scale=float(scaling) if scaling is not None else d ** -0.5)
     kw.update(models.sink_kw(kwargs.get("s_aux"), n, query.dtype))           # gpt-oss
-    out, _ = models.call(q, kp, vp, **kw)
+    out, _ = models.call(q, kp, vp, kw)
     return out.view(1, b, n, -1), None                                             # [1, T = B, N, Dv]
 
 

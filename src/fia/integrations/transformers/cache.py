@@ -7,9 +7,10 @@
 Each layer keeps K and V in [B, KV_N, capacity, D] buffers (BNSD, the fastest layout of FIA's decode kernels) and
 writes a step's tokens at their positions: no O(context) copy per step (transformers' DynamicCache concatenates the
 whole K and V every step). update() returns the whole buffers -- the same tensors from step to step -- and
-``get_mask_sizes`` reports the capacity, so transformers' mask covers them and the attention function passes FIA
-per-batch KV lengths (the unused tail is right padding): every decode step is the same call signature with new
-lengths, which FIA replays (fia.replay) without parsing or planning it again. A generation that outgrows the
+``get_mask_sizes`` reports the positions written, as a DynamicCache does: without padding transformers builds no
+mask, and the attention function passes FIA the layer's length (the unused tail is right padding); with one, the
+mask covers the written positions. Every decode step is the same call signature with new lengths, which FIA
+replays (fia.replay) without parsing or planning it again. A generation that outgrows the
 buffers moves them into larger ones (1.5x the tokens needed, in blocks of ``BLOCK`` positions; an O(context) copy
 at each growth only). ``capacity=`` preallocates (generate passes its maximum length when it builds the cache from
 ``cache_implementation``).
@@ -157,12 +158,10 @@ class FiaLayer(CacheLayerMixin):
         return k, v
 
     def get_mask_sizes(self, query_length: int) -> tuple:
-        """(kv_length, kv_offset) of the next update's result: the capacity it will have (the mask covers the
-        whole buffers; FIA gets the lengths). transformers skips the mask when nothing is padded (then the attention
-        function takes the lengths from the layer: layer_of)."""
-        if self.quantize and query_length > 1 and self.length == 0:
-            return query_length, 0                                   # (the unquantized states themselves)
-        return self._capacity_for(self.length + query_length), 0
+        """(kv_length, kv_offset) of the next update's result: the positions written after it, as a DynamicCache
+        reports them. Without padding transformers then builds no decode mask at all (the attention function takes
+        the length from the layer: layer_of); a mask covers the written positions, not the unused tail."""
+        return self.length + query_length, 0
 
     def get_seq_length(self) -> int:
         return self.length

@@ -1,9 +1,12 @@
 """What the integration's modules share: its error, the template mask of sparse modes 2-4, and the one FIA call."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 import fia
+from fia.replay import Site
 
 NAME = "fia"
 # the attention functions registered by register() (name -> function): transformers' patched checks ask it
@@ -27,16 +30,27 @@ def template(device) -> torch.Tensor:
     return t
 
 
-def call_fia(query, key, value, portable: bool = False, **kw):
+def call_fia(query, key, value, kw: dict, portable: bool = False, guard: Optional[tuple] = None):
     """fia.npu_fused_infer_attention_score (looked up at call time) -> (out, lse). float32 is not an NPU dtype
     (SPEC 1.4): float32 calls run under the portable validation mode, and so do calls the NPU's shape rules do not
     cover (`portable`); float16 / bfloat16 calls in the caller's mode (strict by default: what runs here also
-    passes the NPU's checks)."""
-    attn = fia.npu_fused_infer_attention_score
+    passes the NPU's checks). `guard`: what kw is made of besides the KV lengths' values and the int8 scales'
+    data (fia.replay.Site): a repeated call -- a decode step of every layer -- then replays without its key."""
     if portable or query.dtype == torch.float32:
         with fia.validation_mode("portable"):
-            return attn(query, key, value, **kw)
-    return attn(query, key, value, **kw)
+            return _call(query, key, value, guard, kw)
+    return _call(query, key, value, guard, kw)
+
+
+_PUBLIC = fia.npu_fused_infer_attention_score
+_SITE = Site("npu_fused_infer_attention_score", "transformers")
+
+
+def _call(query, key, value, guard: Optional[tuple], kw: dict):
+    attn = fia.npu_fused_infer_attention_score
+    if guard is None or attn is not _PUBLIC:            # (a wrapped entry point sees every call)
+        return attn(query, key, value, **kw)
+    return _SITE.call(guard, attn, query, key, value, kw)
 
 
 # npu_fused_infer_attention_score's argument names -> _v2's (learnable sinks exist on _v2 only)
@@ -46,7 +60,7 @@ V2_NAMES = {"num_heads": "num_query_heads", "scale": "softmax_scale", "actual_se
             "value_antiquant_mode": "value_quant_mode"}
 
 
-def call_fia_v2(query, key, value, portable: bool = False, **kw):
+def call_fia_v2(query, key, value, kw: dict, portable: bool = False):
     """call_fia through npu_fused_infer_attention_score_v2, kw in the v1 names (V2_NAMES)."""
     attn = fia.npu_fused_infer_attention_score_v2
     kw = {V2_NAMES.get(k, k): v for k, v in kw.items()}

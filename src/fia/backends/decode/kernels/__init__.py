@@ -53,7 +53,7 @@ from ....cpu.numerics import (FM, bf16_to_f32, f32_to_bf16_bits, f32_to_half_bit
                               fp16_to_f32, _f32_to_half_bits_sw, _fp16_bits_to_f32)
 from .dequant import fill_factors  # noqa: E402,F401
 from .items import attend_items  # noqa: E402,F401
-from .merge import attend_merge, merge, split_work  # noqa: E402,F401
+from .merge import attend_merge, merge, replan, schedule, split_work  # noqa: E402,F401
 from .params import *  # noqa: E402,F403 -- the launch layout and kernel choice (IP_*, GEO_*, BUF_*, DP_*, KF_*)
 from .rows import fp4_rows, load_rows  # noqa: E402,F401
 from .generic import qk_fused  # noqa: E402,F401

@@ -52,6 +52,38 @@ def split_work(lens, lo, H, threads, C, min_split, per_thread):
     return work, wrange
 
 
+@njit(nogil=True, cache=True)
+def schedule(work, ng, H, R, threads, keys, key_bytes, min_work, min_bytes):
+    """(items in the order the threads take them, threads) of work entries x ng item groups (KV heads / heads per
+    item), H KV heads of R rows, key_bytes of K / V per key and KV head. One thread for small work: keys x H x R
+    below min_work, or at most min_bytes of K / V below 16 x min_work; else the longest items first."""
+    n = work.shape[1] * ng
+    t = min(threads, n)
+    rows_work = keys * H * R
+    if t <= 1 or rows_work < min_work or (keys * H * key_bytes <= min_bytes and rows_work < 16 * min_work):
+        return np.arange(n), 1
+    return np.argsort(-np.repeat(work[2] - work[1], ng), kind="mergesort"), t
+
+
+@njit(nogil=True, cache=True)
+def replan(geo0, kv_lens, ng, threads, C, min_split, per_thread, H, R, key_bytes, min_work, min_bytes):
+    """A lengths replay's re-plan (plan.relength) in one dispatch: the geometry with kv_lens [B] as the batches'
+    keys, and the work split and item schedule they make (split_work, schedule) -> (geo, work, wrange, items,
+    threads, keys)."""
+    geo = geo0.copy()
+    B = kv_lens.shape[0]
+    lens = np.zeros(B, np.int64)
+    keys = 0
+    for b in range(B):
+        geo[GEO_S2, b] = kv_lens[b]
+        if geo[GEO_QHI, b] > geo[GEO_QLO, b]:                 # batches without query rows: no keys
+            lens[b] = kv_lens[b]
+            keys += kv_lens[b]
+    work, wrange = split_work(lens, np.zeros(B, np.int64), ng, threads, C, min_split, per_thread)
+    items, t = schedule(work, ng, H, R, threads, keys, key_bytes, min_work, min_bytes)
+    return geo, work, wrange, items, t, keys
+
+
 @njit(fastmath=FM, cache=True, inline="always")
 def _partials_max(pm, pl, w0, w1, h, r, M):
     """max(M, the maxima of the non-empty partials w0 <= w < w1 of row r, head h); NaN wins."""
