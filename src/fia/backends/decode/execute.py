@@ -44,7 +44,7 @@ def lse_target(shape: tuple, want: bool):
     scratch (merge writes the lse anyway; a torch.empty costs ~3 us more per small call). The caller keeps
     the buffer alive until merge has run."""
     if want:
-        lse = torch.empty(shape, dtype=torch.float32)
+        lse = torch.empty(*shape, dtype=torch.float32)
         return lse, (lse.data_ptr(), lse.numel() * 4)
     scratch = np.empty(shape, np.float32)
     return scratch, (scratch.ctypes.data, scratch.size * 4)

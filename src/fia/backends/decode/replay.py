@@ -249,7 +249,7 @@ class Replay:
                 bufs[0, slot] = view_address(views[j], extras)
             kt_tbl = tbl if self.tok_follow[0] else kt_tbl
             vt_tbl = tbl if self.tok_follow[1] else vt_tbl
-        out = torch.empty(self.out_shape, dtype=plan.out_dtype)
+        out = torch.empty(*self.out_shape, dtype=plan.out_dtype)    # (unpacked: a faster argument parse)
         if self.want_lse:
             lse, lse_addr = lse_target(self.lse_shape, True)
         else:
