@@ -7,7 +7,6 @@ environment variable FIA_VALIDATION=portable (read at import).
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 
@@ -45,21 +44,32 @@ def set_validation_mode(mode: str) -> None:
     _state.mode = mode
 
 
-@contextlib.contextmanager
-def validation_mode(mode: str):
+class _Setting:
+    """`with`: one per-thread setting (an attribute of _state) for the block, then the previous one (a class, not a
+    generator-based context manager: integrations enter it on every float32 call)."""
+
+    __slots__ = ("attr", "value", "prev")
+
+    def __init__(self, attr: str, value):
+        self.attr, self.value = attr, value
+
+    def __enter__(self):
+        self.prev = getattr(_state, self.attr)
+        setattr(_state, self.attr, self.value)
+
+    def __exit__(self, *exc):
+        if self.prev is _UNSET:
+            delattr(_state, self.attr)
+        else:
+            setattr(_state, self.attr, self.prev)
+
+
+def validation_mode(mode: str) -> _Setting:
     """Context manager: run the block in `mode`, then restore the previous mode."""
     if mode not in _MODES:
         from .errors import input_error
         raise input_error("mode", f"one of {_MODES}", repr(mode))
-    prev = _state.mode
-    _state.mode = mode
-    try:
-        yield
-    finally:
-        if prev is _UNSET:
-            del _state.mode
-        else:
-            _state.mode = prev
+    return _Setting("mode", mode)
 
 
 def is_strict() -> bool:
@@ -82,15 +92,6 @@ def set_backend(name: str | None) -> None:
     _state.backend = name
 
 
-@contextlib.contextmanager
-def use_backend(name: str | None):
+def use_backend(name: str | None) -> _Setting:
     """Context manager forcing a backend by name (None = automatic)."""
-    prev = _state.backend
-    _state.backend = name
-    try:
-        yield
-    finally:
-        if prev is _UNSET:
-            del _state.backend
-        else:
-            _state.backend = prev
+    return _Setting("backend", name)
