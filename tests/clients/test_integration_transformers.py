@@ -327,6 +327,31 @@ def test_generate_batch_paged_identical_to_sdpa(family, calls):
     assert sorted(paged[-1]["actual_seq_lengths_kv"]) == [8, 10, 12]    # per request, prompt + 5 tokens
 
 
+def test_generate_batch_paged_decode_replays_at_the_call_site(monkeypatch):
+    """The block-table decode steps go through the integration's replay call site (fia.replay.Site): replayed
+    after admission, the same greedy tokens as with the site turned off."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from fia import replay
+    _, mine = _models("llama", torch.float32)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [7, 8, 9], [10, 11, 12, 13, 14]]
+    gen = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=-1, pad_token_id=0)
+
+    def run():
+        cb = ContinuousBatchingConfig(page_size=4, num_blocks=32, max_batch_tokens=32, max_blocks_per_request=8)
+        with torch.no_grad():
+            out = mine.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb, warmup=False)
+        return sorted((r.request_id, list(r.generated_tokens)) for r in out.values())
+
+    FT.common._SITE.table.clear()
+    before = replay.stats["replayed"]
+    got = run()
+    assert replay.stats["replayed"] - before >= 4 * COMMON["num_hidden_layers"]
+    assert any(m[0][0] == "paged" and hit is not replay._NEVER for m, hit in FT.common._SITE.table.items())
+    monkeypatch.setattr(FT.common, "_PUBLIC", None)
+    assert got == run()
+
+
 def test_decode_mask_plans_reproduce_the_mask():
     """Decode-step masks (one query row, CPU bool, possibly wider than the keys given: analysed as bytes): the
     plan's key windows -- or its general mask -- allow exactly the keys the mask allows, and a mask of one contiguous

@@ -3,6 +3,8 @@ as one TND call, the block-table decode path on the page pool in place, and the 
 "fia" through."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import models
@@ -73,7 +75,11 @@ def paged_decode_forward(module, query, key, value, scaling, kwargs):
               block_size=page, actual_seq_lengths_kv=lengths,
               scale=float(scaling) if scaling is not None else d ** -0.5)
     kw.update(models.sink_kw(kwargs.get("s_aux"), n, query.dtype))           # gpt-oss
-    out, _ = models.call(q, kp, vp, kw)
+    guard = None                                   # (fia.replay.Site: what kw is made of but the lengths' values)
+    if "learnable_sink" not in kw:
+        guard = ("paged", tuple(kw), n, kv_n, page, kw["scale"], math.copysign(1.0, kw["scale"]), len(lengths),
+                 table32.dtype, table32.shape, table32.stride())
+    out, _ = models.call(q, kp, vp, kw, guard=guard)
     return out.view(1, b, n, -1), None                                             # [1, T = B, N, Dv]
 
 
