@@ -258,12 +258,13 @@ def _schedule(K, work: np.ndarray, H: int, R: int, threads: int, keys: int, hb: 
     return K.schedule(work, H // hb, H, R, threads, keys, float(key_bytes), PARALLEL_MIN_WORK, PARALLEL_MIN_BYTES)
 
 
-def relength(plan: Plan, p: AttentionProblem, kv_lens: np.ndarray, K, threads: int):
+def relength(plan: Plan, p: AttentionProblem, kv_lens: np.ndarray, K, threads: int, ip_set: tuple = ()):
     """plan (p's: one dense KV source serving every work entry, right-padded keys, no shared prefix, no band)
     for other KV lengths kv_lens [B] of the same metadata -- what _plan gives for p with those lengths,
     rebuilding only the parts they shape (kernels.replan, one dispatch): the geometry's key count row (as
     _geometry: s2 = the batch's keys), the own keys, work split, item schedule (tests/interfaces/test_replay.py
-    compares the two). None where no work entry is left (the full path handles it)."""
+    compares the two). ip_set: (index, value) pairs of int parameters to set as well (a growing cache's strides).
+    None where no work entry is left (the full path handles it)."""
     launch = plan.own[0]
     ip = launch.ip
     hb = int(ip[K.IP_HB])
@@ -274,9 +275,11 @@ def relength(plan: Plan, p: AttentionProblem, kv_lens: np.ndarray, K, threads: i
     if W == 0:
         return None
     flags = _dp_flags(K, launch.key_bytes, keys, p.KV_N, _pv_dp(p))
-    if flags != ip[K.IP_DP]:                      # (the prefetch choice follows the bytes read)
+    if flags != ip[K.IP_DP] or ip_set:            # (the prefetch choice follows the bytes read)
         ip = ip.copy()
         ip[K.IP_DP] = flags
+        for i, x in ip_set:
+            ip[i] = x
     return plan._replace(geo=geo, W=W, wrange=wrange, pwrange=np.ascontiguousarray(wrange[:, :1]),
                          own=[launch._replace(ip=ip, work=work, w0=0, w1=W, items=items, threads=t)])
 

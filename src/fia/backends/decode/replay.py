@@ -8,6 +8,7 @@ keeps it per call signature and checks it once against the full path before use.
 from __future__ import annotations
 
 import math
+import threading
 from typing import Optional
 
 import numpy as np
@@ -66,6 +67,10 @@ def prepare(p: AttentionProblem, query, key, value, lengths: bool = False, extra
     return Replay(p, x, plan, K, (query, key, value), lengths, views, kv_axis)
 
 
+class _PerThread(threading.local):
+    bufs = None                                     # a copy of Replay.bufs, refilled by each call of the thread
+
+
 class Replay:
     """A call's launch prepared once (fia.replay): the plan, the buffer table with the query, key and value
     slots refilled from each call's tensors (same metadata: same spans, offsets of the canonical views from
@@ -94,6 +99,7 @@ class Replay:
                 raise AssertionError(f"strides {self.growing} of a contiguous cache of KV_S {s0}")
         self.memo_key = p.memo_key
         self.bufs = x.addresses(K)                  # [2, BUF_LEN]: spans fixed by the metadata
+        self.mine = _PerThread()
         src.addresses(self.bufs, K)
         self.slots = (K.BUF_Q, K.BUF_K, K.BUF_V)
         views = (x.q, src.key, src.value)           # the canonical views the kernels read
@@ -180,22 +186,15 @@ class Replay:
         ck = lens if kv_s is None else (lens, kv_s)
         got = self.lengths.get(ck)
         if got is None:
-            plan = relength(self.prepared[0], self.p, np.array(lens, np.int64), K, self.tuning[0])
+            grown = ()                              # a growing cache: the K / V strides of kv_s positions
+            if kv_s is not None:
+                s0, scaled = self.growing
+                grown = tuple((i, st // s0 * kv_s) for i, st in scaled)
+            plan = relength(self.prepared[0], self.p, np.array(lens, np.int64), K, self.tuning[0], grown)
             if plan is None:
                 return None
-            if kv_s is not None:
-                plan = self._regrown(plan, kv_s)
             got = self.lengths.put(ck, self._prepare(plan, lens))
         return got
-
-    def _regrown(self, plan: Plan, kv_s: int) -> Plan:
-        """plan with the K / V strides of a growing cache of kv_s positions (the others do not depend on it)."""
-        s0, scaled = self.growing
-        launch = plan.own[0]
-        ip = launch.ip.copy()
-        for i, st in scaled:
-            ip[i] = st // s0 * kv_s
-        return plan._replace(own=[launch._replace(ip=ip)])
 
     def _factors(self, extras: tuple) -> tuple:
         """(kchan, (sink, vcs, vco)) of a call: the dequant factors from its own tensors (self.aq): the admitting
@@ -212,7 +211,9 @@ class Replay:
     def __call__(self, q, k, v, lens=None, table=None, extras=(), kv_s=None):
         K = loader.K
         tbl = self.tbls[0]
-        bufs = self.bufs.copy()                     # (filled per call: concurrent calls share the replay)
+        bufs = self.mine.bufs                       # this thread's table (concurrent calls share the replay): the
+        if bufs is None:                            # slots that vary are written by every call
+            bufs = self.mine.bufs = self.bufs.copy()
         if self.growing is not None:
             if kv_s is None:
                 return None
