@@ -38,6 +38,7 @@ def _small_tiles():
         setattr(be, k, v)
     prefill_flash.KT = 64
     prefill_flash.ROWS_PER_ITEM = 5
+    prefill_flash.PARALLEL_MIN_FLOPS = 0
 
 
 def _int8_kw():

@@ -27,6 +27,7 @@ from kernel_util import compiling_with, frozen  # noqa: E402
 from fia.cpu import fma as DF  # noqa: E402
 from fia.cpu import simd as DS  # noqa: E402
 from fia.backends.prefill import flash as PF  # noqa: E402
+from fia.cpu import threads as PF_threads  # noqa: E402
 from fia.cpu import gemm as PS  # noqa: E402
 
 pytestmark = pytest.mark.backend_independent      # kernel-level: run once, not per backend (conftest)
@@ -167,6 +168,35 @@ BF16_RUNS = PF.ENABLED or (PF.HAS_DP and os.environ.get("FIA_PREFILL_OWN", "") !
 @pytest.fixture(autouse=True)
 def _bf16_on(monkeypatch):
     monkeypatch.setattr(PF, "ENABLED", BF16_RUNS)
+    monkeypatch.setattr(PF, "PARALLEL_MIN_FLOPS", 0)              # small calls on every thread too
+
+
+def test_small_calls_run_on_one_thread(monkeypatch):
+    """A call below PARALLEL_MIN_FLOPS launches its items on the calling thread alone; a larger one on every thread;
+    both equal the float64 formula."""
+    launched = []
+    real = PF_threads.launch
+
+    def spy(fn, items, t, args):
+        launched.append(t)
+        return real(fn, items, t, args)
+    monkeypatch.setattr(PF_threads, "launch", spy)
+    monkeypatch.setattr(PF, "ENABLED", True)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 4, 96, 64, generator=g).to(torch.float16) for _ in range(3))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for floor, want in ((1e12, 1), (0, 2)):
+            monkeypatch.setattr(PF, "PARALLEL_MIN_FLOPS", floor)
+            launched.clear()
+            out, _ = PF.flash(q, k, v, True, None, 0.125)
+            assert launched and set(launched) == {want}, launched
+            ref = torch.softmax((q.double() @ k.double().transpose(-1, -2) * 0.125).masked_fill(
+                torch.ones(96, 96, dtype=torch.bool).triu(1), float("-inf")), -1) @ v.double()
+            assert (out.double() - ref).abs().max().item() < 2e-3
+    finally:
+        torch.set_num_threads(threads)
 
 
 DTYPES = [d for d, on in ((torch.bfloat16, BF16_RUNS), (torch.float16, PF.ENABLED_F16),

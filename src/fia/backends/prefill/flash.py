@@ -41,6 +41,10 @@ from ...cpu.gemm import F16C, HAS_DP
 
 KT = 256            # keys per tile (scores [rows, KT] float32 stay in L2 with the packed K / V tiles)
 ROWS_PER_ITEM = 96  # query rows (GQA heads x positions) per work item
+# A call of fewer FLOPs runs on the calling thread alone: torch's OpenMP workers keep spinning on the other cores
+# for milliseconds after each torch op, and a second FIA thread shares its core with one of them until then
+# (docs/performance.md, "Work split"): below this, two threads were slower than one
+PARALLEL_MIN_FLOPS = 8e8
 # FIA_PREFILL_OWN: "0" never use this kernel, "1" always where eligible (emulated without AVX512-BF16 / F16C);
 # unset: bf16 where the CPU has AVX512-BF16 but not AMX-BF16, float16 where it has AVX-512 and F16C, float32
 # with AVX-512; all three without AVX-512 where AVX2, FMA and F16C are there (AVX2). With AMX, ATen's flash
@@ -147,6 +151,12 @@ def flash(q, k, v, is_causal: bool, mask: Optional[torch.Tensor], scale: float, 
     f16 = q.dtype != torch.bfloat16                          # uint16 elements are float16 (or float32 elements)
     wide = f16 or NARROW                                     # float32 query rows and probabilities
     threads = max(1, torch.get_num_threads())
+    big = L + S + 1
+    pre, nxt = (big, big) if band is None else (max(min(int(band[0]), big), -big), max(min(int(band[1]), big), -big))
+    if is_causal:
+        nxt = min(nxt, 0)
+    if 2.0 * Bq * N * _pairs(L, S, pre, nxt) * (D + Dv) < PARALLEL_MIN_FLOPS:
+        threads = 1
     if f16:
         et = np.float32 if q.dtype == torch.float32 else np.uint16
         kp = np.empty((Bq, H, nt, D, KT), et)                # [Bq, H, nt, D, KT] key tiles transposed
@@ -169,16 +179,23 @@ def flash(q, k, v, is_causal: bool, mask: Optional[torch.Tensor], scale: float, 
     nqb = (L + QB - 1) // QB
     n_items = Bq * H * nqb
     items = np.arange(n_items, dtype=np.int64)
-    big = L + S + 1
-    pre, nxt = (big, big) if band is None else (max(min(int(band[0]), big), -big), max(min(int(band[1]), big), -big))
-    if is_causal:
-        nxt = min(nxt, 0)
     if nxt < big and pre >= big:                              # causal-like: longest (latest query block) first
         items = items.reshape(Bq * H, nqb)[:, ::-1].T.reshape(-1).copy()
     launch(flash_items, items, min(threads, n_items),
             (_bits(q), kp, vp, o_flat, o_str, lse.numpy(), mk, ms, *_user_flat(user_mask), S, pre, nxt,
              float(scale), QB, f16, wide))
     return out, lse
+
+
+def _pairs(L: int, S: int, pre: int, nxt: int) -> int:
+    """About how many (query, key) pairs of an [L, S] call a band (pre, nxt) keeps: rows i keep keys
+    i - pre <= j <= i + nxt of [0, S) (the diagonal as the kernel's: top-left)."""
+    if nxt >= S and pre >= L:
+        return L * S
+    kept = 0
+    for i in (0, L // 2, L - 1):                  # (a band's keys per row: three rows stand for all)
+        kept += max(0, min(S, i + nxt + 1) - max(0, i - pre))
+    return kept * L // 3
 
 
 def variant() -> str:
