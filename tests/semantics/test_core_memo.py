@@ -145,6 +145,29 @@ def test_calls_with_other_tensors_are_not_memoized():
     assert memo.signature(call_args(q=torch.nn.Parameter(call_args()["query"])), "x", None, False) is None
 
 
+@pytest.mark.parametrize("mode", [2, 3, 4])
+def test_template_masks_are_keyed_by_their_metadata(mode):
+    """sparse modes 2-4 take the 2048 x 2048 template, which parse checks for shape and dtype only: a call with it
+    is memoized by the mask's metadata (another template tensor recalls the problem; a mask of another shape or
+    dtype is another signature and raises parse's error), and recalls equal a full parse."""
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(B, N, 6, D, generator=g).to(torch.float16)
+    k, v = (torch.randn(B, KV_N, S, D, generator=g).to(torch.float16) for _ in range(2))
+    tmpl = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), 1)
+    extra = dict(pre_tokens=5, next_tokens=0) if mode == 4 else {}
+    a = call_args(q, k, v, sparse_mode=mode, atten_mask=tmpl, **extra)
+    first = parse(a)
+    again = core.parse_fused(dict(a, atten_mask=torch.rand(2048, 2048, generator=g) > 0.5))   # (values ignored)
+    assert first.memo_key is not None and again.memo_key == first.memo_key
+    assert fields(again) == fields(core._parse(a, "npu_fused_infer_attention_score", None, False))
+    assert memo.signature(dict(a, atten_mask=tmpl.to(torch.uint8)), "x", None, False) != \
+        memo.signature(a, "x", None, False)
+    for bad in (tmpl[:1024, :1024], tmpl.float()):
+        with pytest.raises(FiaInputError, match="atten_mask"):
+            parse(dict(a, atten_mask=bad))
+    assert memo.signature(call_args(q, k, v, sparse_mode=0, atten_mask=tmpl[:6, :S]), "x", None, False) is None
+
+
 @pytest.mark.parametrize("layout", ["BNSD", "BSH"])
 def test_paged_calls_are_recalled_over_their_own_cache_and_table(layout, monkeypatch):
     """A paged call is parsed twice, then recalled: the caches and the block table of each call (4-D and

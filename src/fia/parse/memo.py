@@ -16,6 +16,9 @@ The antiquant scales and offsets (SPEC 10) are covered the same way: parse only 
 views them (reshape, an index on a combined parameter's leading axis), so a recall replays those views over
 the call's tensors (`_AntiquantRecipe`, checked against the parse it was made from).
 
+The template mask of sparse modes 2-4 counts by its metadata too: parse checks its shape and dtype, and keeps no
+mask for those modes (SPEC 15.11).
+
 Without a signature (the full parse runs, nothing is memoized): any other tensor argument (masks, other
 scales, lengths or padding sizes as tensors: parse reads their values or keeps them in the problem), tensor
 lists, tensor subclasses (FakeTensor in graph mode, Parameter), tensors that are not strided CPU tensors,
@@ -45,6 +48,9 @@ _TENSORS = ("query", "key", "value")
 _ANTIQUANT = ("antiquant_scale", "antiquant_offset", "key_antiquant_scale", "key_antiquant_offset",
               "value_antiquant_scale", "value_antiquant_offset")
 _DATA_ONLY = ("block_table",) + _ANTIQUANT
+# sparse modes whose atten_mask is the 2048 x 2048 template, checked for shape and dtype and otherwise ignored
+# (SPEC 15.11: parse/masking.py keeps no mask for them), so the call's signature holds the mask's metadata
+_TEMPLATE_MODES = (2, 3, 4)
 _SCALARS = frozenset({type(None), bool, int, float, str, list, tuple})   # the other arguments' types covered
 _INTS = frozenset({int})
 _SEQS = frozenset({list, tuple})
@@ -105,6 +111,9 @@ def signature(a: dict, api: str, aliases: Optional[dict], decode_only: bool) -> 
     for n in _DATA_ONLY:                                  # (their names leave `rest`: part of the signature)
         if type(rest.get(n)) is _Tensor:
             tensors.append(rest.pop(n))
+    if type(rest.get("atten_mask")) is _Tensor and type(rest.get("sparse_mode")) is int \
+            and rest["sparse_mode"] in _TEMPLATE_MODES:   # the template: parse checks its shape and dtype only
+        tensors.append(rest.pop("atten_mask"))
     vals = tuple(rest.values())
     types = tuple(map(type, vals))                        # (C loops: this runs on every call)
     kinds = set(types)
