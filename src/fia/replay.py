@@ -30,6 +30,12 @@ each call's KV_S with its lengths (all KV_S where the call passes none) -- a *gr
 checked like a lengths replay. Nothing else of such a call may depend on KV_S (no mask, pse, dequantization
 tensors or padding: the backend declines those).
 
+A caller that repeats one call at one place of its code -- an integration's attention function, once per layer
+and step -- can skip even the key: a `Site` keeps, per guard the caller builds (everything its keyword arguments
+are made of but the KV lengths' values and the dequantization tensors' data), the tensors' metadata and the
+modes, the key and replay the usual path admitted (tests/interfaces/test_replay.py compares a site's results with
+the full path's).
+
 Why replaying skips validation safely: parse reads nothing of such a call but that metadata (the parse memo,
 parse/memo.py, relies on the same fact), so a call equal in all of it to one that passed validation passes
 again. Only successful calls are admitted, and only the second time their parse is memoized (the problem has
