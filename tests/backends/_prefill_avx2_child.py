@@ -1,6 +1,8 @@
-"""Child process of test_prefill_avx2.py: runs with Numba targeting an AVX2 + FMA CPU (the parent sets
-NUMBA_CPU_NAME / NUMBA_CPU_FEATURES), so the prefill flash kernel compiles its 8-lane variant once, then
-checks a handful of calls against the float64 reference. Prints "ok <cases>" on success; any failure raises."""
+"""Child process of test_prefill_avx2.py: runs with Numba targeting another CPU class (the parent sets
+NUMBA_CPU_NAME / NUMBA_CPU_FEATURES) -- argv[1] "avx2": an AVX2 + FMA CPU (the 8-lane variant); "avx512":
+AVX-512 without AVX512-BF16 (16-lane, bf16 widened: gemm_bf16w) -- so the prefill flash kernel compiles that
+variant once, then checks a handful of calls against the float64 reference. Prints "ok <cases>" on success;
+any failure raises."""
 from __future__ import annotations
 
 import math
@@ -68,14 +70,20 @@ def _dv_case(dtype, tol):
     assert (lse.to(F64) - torch.logsumexp(s, -1)).abs().max().item() <= 1e-4
 
 
-def main() -> None:
-    assert fma.NARROW and not simd.target_has("avx512f"), "the child must compile for a CPU without AVX-512"
-    assert prefill_flash.ENABLED and prefill_flash.ENABLED_F16 and prefill_flash.ENABLED_F32
-    assert "AVX2" in prefill_flash.variant()
+def main(mode: str) -> None:
+    if mode == "avx2":
+        assert fma.NARROW and not simd.target_has("avx512f"), "the child must compile for a CPU without AVX-512"
+        assert prefill_flash.ENABLED and prefill_flash.ENABLED_F16 and prefill_flash.ENABLED_F32
+        assert "AVX2" in prefill_flash.variant()
+        cases = [("causal3", "s1<s2", BF16), ("band4", "ragged", F16), ("nomask", "full", F32),
+                 ("pse", "s1>s2", BF16), ("band0-user", "s1<s2", F16), ("all-mask", "full", BF16),
+                 ("pse-band4", "full", F16)]
+    else:                                            # AVX-512 without BF16: the bf16 calls (gemm_bf16w)
+        assert not fma.NARROW and simd.target_has("avx512f") and not simd.HAS_DP, "an AVX-512 CPU without BF16"
+        assert prefill_flash.ENABLED and "without BF16" in prefill_flash.variant()
+        cases = [("causal3", "s1<s2", BF16), ("pse", "s1>s2", BF16), ("all-mask", "full", BF16),
+                 ("band4", "ragged", BF16), ("nomask", "full", BF16)]
     calls = _counting()
-    cases = [("causal3", "s1<s2", BF16), ("band4", "ragged", F16), ("nomask", "full", F32),
-             ("pse", "s1>s2", BF16), ("band0-user", "s1<s2", F16), ("all-mask", "full", BF16),
-             ("pse-band4", "full", F16)]
     done = 0
 
     def check(kw, dtype=None):
@@ -98,18 +106,19 @@ def main() -> None:
                 check(kw)
         for n, kvn in ((16, 2), (8, 1)):
             check(_case_kw("band4", "s1<s2", BF16, seed_of(n, kvn, "avx2"), N=n, KVN=kvn))
-        with fia.validation_mode("portable"):        # Q_S > 16 with int8 K / V
-            check(_int8_kw())                        # dequantized when packed: the float32 kernel
+        if mode == "avx2":
+            with fia.validation_mode("portable"):    # Q_S > 16 with int8 K / V
+                check(_int8_kw())                    # dequantized when packed: the float32 kernel
 
     run_all()
-    _dv_case(BF16, 1e-2)
-    _dv_case(F16, 2e-3)
-    _dv_case(F32, 2e-5)
+    dv = ((BF16, 1e-2), (F16, 2e-3), (F32, 2e-5)) if mode == "avx2" else ((BF16, 1e-2),)
+    for dtype, tol in dv:
+        _dv_case(dtype, tol)
     _small_tiles()
     run_all()
-    print(f"ok {done + 3}")
+    print(f"ok {done + len(dv)}")
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1] if len(sys.argv) > 1 else "avx2")
     sys.stdout.flush()

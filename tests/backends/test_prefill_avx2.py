@@ -1,4 +1,5 @@
-"""The prefill flash kernel's AVX2 + FMA variant (8-lane GEMMs, cpu/gemm_narrow.py) on a host with AVX-512.
+"""The prefill flash kernel's AVX2 + FMA variant (8-lane GEMMs, cpu/gemm_narrow.py) on a host with AVX-512, and its
+bf16 variant for AVX-512 without AVX512-BF16 (gemm_bf16w) on a host with it.
 
 The suite runs the kernels compiled for the host; on a CPU without AVX-512 that is already the 8-lane variant.
 On an AVX-512 host (with AVX2, FMA and F16C) this module checks the variant in a child process whose Numba
@@ -29,11 +30,26 @@ AVX2_ENV = dict(NUMBA_CPU_NAME="znver3", NUMBA_CPU_FEATURES=ZEN3_FEATURES, ATEN_
                 DNNL_MAX_CPU_ISA="AVX2")
 HERE = Path(__file__).resolve().parent
 
+# Intel Ice Lake: AVX-512 (F, BW, VL, VNNI) without AVX512-BF16; torch without AVX512-BF16 GEMMs (oneDNN capped)
+ICELAKE_ENV = dict(NUMBA_CPU_NAME="icelake-server",
+                   NUMBA_CPU_FEATURES="+avx,+avx2,+fma,+f16c,+avx512f,+avx512bw,+avx512vl,+avx512vnni",
+                   ATEN_CPU_CAPABILITY="avx512", DNNL_MAX_CPU_ISA="AVX512_CORE_VNNI")
+
+
+def _child(mode: str, emulate: dict) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("FIA_PREFILL_OWN", "FIA_DECODE_DP")}
+    env.update(emulate)
+    r = subprocess.run([sys.executable, str(HERE / "_prefill_avx2_child.py"), mode], env=child_env(env), cwd=HERE,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout[-4000:], r.stderr[-8000:])
+    assert r.stdout.strip().splitlines()[-1].startswith("ok "), r.stdout[-2000:]
+
+
 if target_has("avx512f") and target_has("avx2", "fma", "f16c"):
     def test_avx2_variant_in_a_child_process():
-        env = {k: v for k, v in os.environ.items() if k not in ("FIA_PREFILL_OWN", "FIA_DECODE_DP")}
-        env.update(AVX2_ENV)
-        r = subprocess.run([sys.executable, str(HERE / "_prefill_avx2_child.py")], env=child_env(env), cwd=HERE,
-                           capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, (r.stdout[-4000:], r.stderr[-8000:])
-        assert r.stdout.strip().splitlines()[-1].startswith("ok "), r.stdout[-2000:]
+        _child("avx2", AVX2_ENV)
+
+if target_has("avx512f", "avx512bw", "avx512vl", "avx512bf16"):
+    def test_avx512_without_bf16_variant_in_a_child_process():
+        """bf16 on AVX-512 without AVX512-BF16 (Skylake-SP to Ice Lake): the pairs widened to float32 FMAs."""
+        _child("avx512", ICELAKE_ENV)

@@ -14,6 +14,10 @@ columns (24 accumulators): per pair step 4 loads of B, 6 broadcasts of A, 24 `vd
 multiple of 6 and NCOL of 64 (the callers pad their scratch). Products of bf16 values are exact in float32;
 the sums accumulate in float32 (bf16 subnormals count as zero, as in simd.py).
 
+`gemm_bf16w`: gemm_bf16 where AVX512-BF16 is missing (AVX-512 without BF16: Skylake-SP to Ice Lake): A float32
+rows (the query widened once per item, the probabilities rounded to bf16 values), B as gemm_bf16's, each pair
+widened in registers to its even / odd halves, float32 FMAs.
+
 `gemm_f16`: the same blocks for float16 operands (no fp16 dot product on the CPUs measured): A float32 rows
 (the query converted once per item, the probabilities unrounded), B float16 rows widened in registers
 (`vcvtph2ps`), float32 FMAs (a key tile transposed [D, keys] for QK, value rows [keys, Dv] for PV).
@@ -30,12 +34,12 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .fma import F16C, fmadd, widen
-from .simd import (HAS_DP, I32, KIND_FP16, V16F, V16I, c64, dp, gep, load, outlined, ptr, splat, store, var)
+from .simd import (F32, HAS_DP, I32, KIND_FP16, V16F, V16I, c64, dp, gep, load, outlined, ptr, splat, store, var)
 
 NR, NJ = 6, 4                 # rows x 16-column vectors per register block (24 of the 32 zmm registers)
 ROWS = NR                     # R must be a multiple of this
 COLS = 16 * NJ                # NCOL must be a multiple of this
-__all__ = ["F16C", "HAS_DP", "ROWS", "COLS", "gemm_bf16", "gemm_f16", "gemm_f32"]
+__all__ = ["F16C", "HAS_DP", "ROWS", "COLS", "gemm_bf16", "gemm_bf16w", "gemm_f16", "gemm_f32"]
 
 
 class _Op(NamedTuple):
@@ -128,6 +132,27 @@ def _gemm_intrinsic(op: _Op, name: str, doc: str):
     return gemm_intrinsic(gemm_body(lambda b, *a: _block(b, op, *a), NR, COLS, op.b_vec // 16), name, doc)
 
 
+def _widen_pairs(b, p):
+    """16 bf16 pairs (dwords) at byte pointer p as (even-indexed, odd-indexed) <16 x float>: `bits << 16` and
+    `bits & 0xFFFF0000` (exact)."""
+    w = load(b, p, V16I, 4)
+    even = b.shl(w, ir.Constant(V16I, [16] * 16))
+    odd = b.and_(w, ir.Constant(V16I, [-65536] * 16))
+    return b.bitcast(even, V16F), b.bitcast(odd, V16F)
+
+
+def _block_pairs(b, a0, a_rs, bp0, b_rs, npair, c0, c_rs, acc_in):
+    """One NR x COLS block of gemm_bf16w: float32 A rows (elements 2p, 2p + 1 per pair step), B pair-packed."""
+    def step(b, p, arow, bv, accs):
+        for h in range(2):
+            for r in range(NR):
+                ap = gep(b, arow[r], b.add(b.mul(p, c64(8)), c64(4 * h)))
+                av = splat(b, b.load(b.bitcast(ap, F32.as_pointer()), align=4), 16)
+                for j in range(NJ):
+                    b.store(fmadd(b, av, bv[j][h], b.load(accs[r][j])), accs[r][j])
+    register_block(b, V16F, NR, NJ, a0, a_rs, bp0, b_rs, npair, c0, c_rs, acc_in, _widen_pairs, 64, step)
+
+
 gemm_bf16 = _gemm_intrinsic(_BF16, "fia_gemm_bf16", """C (float32 at caddr, rows c_rs bytes apart) [+]= A . B
     over nk bf16 pairs, R rows (multiple of 6) x NCOL columns (multiple of 64); see the module doc.
     accumulate != 0: C += (else C =).""")
@@ -137,3 +162,6 @@ gemm_f16 = _gemm_intrinsic(_F16, "fia_gemm_f16", """C (float32) [+]= A . B for f
     accumulate as gemm_bf16.""")
 gemm_f32 = _gemm_intrinsic(_F32, "fia_gemm_f32", """gemm_f16 with float32 B rows (float32 calls, dequantized
     int8 K / V).""")
+gemm_bf16w = gemm_intrinsic(gemm_body(_block_pairs, NR, COLS, 4), "fia_gemm_bf16w", """gemm_bf16 for CPUs without
+    AVX512-BF16: A float32 rows of 2 nk elements, B pair-packed bf16 widened in registers (even / odd halves),
+    float32 FMAs (half gemm_bf16's multiply rate; products of bf16 values are exact either way).""")

@@ -45,15 +45,16 @@ ROWS_PER_ITEM = 96  # query rows (GQA heads x positions) per work item
 # for milliseconds after each torch op, and a second FIA thread shares its core with one of them until then
 # (docs/performance.md, "Work split"): below this, two threads were slower than one
 PARALLEL_MIN_FLOPS = 8e8
-# FIA_PREFILL_OWN: "0" never use this kernel, "1" always where eligible (emulated without AVX512-BF16 / F16C);
-# unset: bf16 where the CPU has AVX512-BF16 but not AMX-BF16, float16 where it has AVX-512 and F16C, float32
+# FIA_PREFILL_OWN: "0" never use this kernel, "1" always where eligible (emulated without F16C);
+# unset: bf16 where the CPU has AVX-512 but not AMX-BF16 (vdpbf16ps with AVX512-BF16, else widened to float32
+# FMAs: gemm_bf16w), float16 where it has AVX-512 and F16C, float32
 # with AVX-512; all three without AVX-512 where AVX2, FMA and F16C are there (AVX2). With AMX, ATen's flash
 # kernel runs its bf16 GEMMs on the tiles, faster than this kernel; without AVX-512, the 8-lane GEMMs, where ATen's
 # kernel only matches SDPA (docs/performance.md, "Prefill on AVX2 CPUs" and "Kernel choices: the measurements").
 _MODE = os.environ.get("FIA_PREFILL_OWN", "")
 AMX_BF16 = target_has("amx-tile", "amx-bf16")
 AVX2 = NARROW and target_has("avx2", "fma", "f16c")
-ENABLED_DEFAULT = (HAS_DP and not AMX_BF16) or AVX2
+ENABLED_DEFAULT = (target_has("avx512f") and not AMX_BF16) or AVX2
 ENABLED = {"0": False, "1": True}.get(_MODE, ENABLED_DEFAULT)
 ENABLED_F16 = {"0": False, "1": True}.get(_MODE, (F16C and target_has("avx512f")) or AVX2)
 ENABLED_F32 = {"0": False, "1": True}.get(_MODE, target_has("avx512f") or AVX2)
@@ -149,7 +150,7 @@ def flash(q, k, v, is_causal: bool, mask: Optional[torch.Tensor], scale: float, 
     G = N // H
     nt = (S + KT - 1) // KT
     f16 = q.dtype != torch.bfloat16                          # uint16 elements are float16 (or float32 elements)
-    wide = f16 or NARROW                                     # float32 query rows and probabilities
+    wide = f16 or NARROW or not HAS_DP                       # float32 query rows and probabilities
     threads = max(1, torch.get_num_threads())
     big = L + S + 1
     pre, nxt = (big, big) if band is None else (max(min(int(band[0]), big), -big), max(min(int(band[1]), big), -big))
@@ -202,4 +203,6 @@ def variant() -> str:
     """Which GEMMs the kernel runs on this CPU (for fia.explain)."""
     if NARROW:
         return "AVX2 + FMA: 8-lane float32 FMAs, 6 x 16 register blocks (cpu/gemm_narrow.py)"
+    if not HAS_DP:
+        return "AVX-512 without BF16: 16-lane, 6 x 64 register blocks, bf16 widened to float32 FMAs (cpu/gemm.py)"
     return "AVX-512: 16-lane, 6 x 64 register blocks (cpu/gemm.py; bf16 vdpbf16ps)"

@@ -27,12 +27,13 @@ from ...cpu import kernel_cache
 from ...cpu.simd import max_f32, mul_exact, sub_exact
 from ...cpu import gemm, gemm_narrow
 from ...cpu.fma import NARROW
-from ...cpu.gemm import gemm_bf16, gemm_f16, gemm_f32
+from ...cpu.gemm import gemm_bf16, gemm_bf16w, gemm_f16, gemm_f32
 from ...cpu.gemm_narrow import gemm_bf16n, gemm_f16n, gemm_f32n
 
 # register blocks of the GEMMs this CPU runs: 16-lane (gemm.py) or, without AVX-512, 8-lane (gemm_narrow.py)
 ROWS, COLS = (gemm_narrow.ROWS, gemm_narrow.COLS) if NARROW else (gemm.ROWS, gemm.COLS)
 _GEMM_F16, _GEMM_F32 = (gemm_f16n, gemm_f32n) if NARROW else (gemm_f16, gemm_f32)
+_GEMM_BF16W = gemm_bf16n if NARROW else gemm_bf16w        # float32 A . pair-packed bf16 B (no vdpbf16ps)
 
 # Numba's cache of these kernels also follows the files whose code they embed (cpu/kernel_cache.py)
 kernel_cache.install("backends/prefill/kernels.py", ("cpu/numerics.py", "cpu/simd.py", "cpu/fma.py", "cpu/vnni.py",
@@ -153,16 +154,16 @@ def _prob_scratch_impl(sc, pb):
 
 
 def _qk(qs, kt, c0, c1, sc, RP, KT, D):
-    """sc[:RP, c0:c1] = qs . key tile kt (bf16: query bits . packed pairs, or float32 query . packed pairs on
-    8-lane CPUs; float16 / float32: float32 query . K^T rows)."""
+    """sc[:RP, c0:c1] = qs . key tile kt (bf16: query bits . packed pairs, or float32 query . packed pairs where
+    AVX512-BF16 is missing; float16 / float32: float32 query . K^T rows)."""
 
 
 @overload(_qk)
 def _qk_impl(qs, kt, c0, c1, sc, RP, KT, D):
     if kt.dtype == types.uint32 and qs.dtype == types.float32:
         def impl_bf16n(qs, kt, c0, c1, sc, RP, KT, D):
-            gemm_bf16n(qs.ctypes.data, D * 4, kt.ctypes.data + 4 * c0, KT * 4, D // 2, sc.ctypes.data + 4 * c0,
-                       KT * 4, RP, c1 - c0, 0)
+            _GEMM_BF16W(qs.ctypes.data, D * 4, kt.ctypes.data + 4 * c0, KT * 4, D // 2, sc.ctypes.data + 4 * c0,
+                        KT * 4, RP, c1 - c0, 0)
         return impl_bf16n
     if kt.dtype == types.uint32:
         def impl(qs, kt, c0, c1, sc, RP, KT, D):
@@ -182,16 +183,16 @@ def _qk_impl(qs, kt, c0, c1, sc, RP, KT, D):
 
 
 def _pv(pb, vt, c0, c1, o, RP, KT, Dv):
-    """o[:RP] += pb[:, c0:c1] . value tile vt (bf16 pairs packed, with bf16 or, on 8-lane CPUs, float32
-    probabilities; or float16 / float32 rows)."""
+    """o[:RP] += pb[:, c0:c1] . value tile vt (bf16 pairs packed, with bf16 or, where AVX512-BF16 is missing,
+    float32 probabilities; or float16 / float32 rows)."""
 
 
 @overload(_pv)
 def _pv_impl(pb, vt, c0, c1, o, RP, KT, Dv):
     if vt.dtype == types.uint32 and pb.dtype == types.float32:
         def impl_bf16n(pb, vt, c0, c1, o, RP, KT, Dv):
-            gemm_bf16n(pb.ctypes.data + 4 * c0, KT * 4, vt.ctypes.data + (c0 // 2) * Dv * 4, Dv * 4,
-                       (c1 - c0) // 2, o.ctypes.data, Dv * 4, RP, Dv, 1)
+            _GEMM_BF16W(pb.ctypes.data + 4 * c0, KT * 4, vt.ctypes.data + (c0 // 2) * Dv * 4, Dv * 4,
+                        (c1 - c0) // 2, o.ctypes.data, Dv * 4, RP, Dv, 1)
         return impl_bf16n
     if vt.dtype == types.uint32:
         def impl(pb, vt, c0, c1, o, RP, KT, Dv):
