@@ -80,8 +80,6 @@ def fia_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
     return out, None
 
 
-
-
 def _on_buffers(plan: dict, written: int, capacity: int):
     """A mask plan over the `written` positions of an FiaCache layer, for its buffers of `capacity` positions (the
     same call signature every step): padding sizes count from the buffers' end, no lengths means all written
