@@ -170,6 +170,39 @@ def test_decode_steps_replay_at_the_call_site(kind, dtype, monkeypatch):
     assert torch.equal(got, want) and torch.equal(gtok, wtok)
 
 
+@pytest.mark.parametrize("pattern", ["left-padded", "holes"])
+def test_masked_decode_over_the_buffers(pattern):
+    """A decode step over an FiaCache layer with a mask over the written positions (narrower than the buffers):
+    left padding (key windows: padding sizes counted from the buffers' end) and a mask with holes (the general
+    mask: the buffers cut to its keys). The output equals a float64 softmax over the allowed written keys; the
+    unwritten tail (NaN here) is never read."""
+    cfg = transformers.LlamaConfig(**COMMON)
+    g = torch.Generator().manual_seed(11)
+    B, N, KVN, D, T = 3, 4, 2, 16, 21
+    layer = FiaCache(cfg).layers[0]
+    k, v = torch.randn(B, KVN, T, D, generator=g), torch.randn(B, KVN, T, D, generator=g)
+    keys, values = layer.update(k, v)
+    assert keys.shape[2] > T
+    keys[:, :, T:] = float("nan")                                  # unwritten positions: must not be read
+    values[:, :, T:] = float("nan")
+    allowed = torch.ones(B, 1, 1, T, dtype=torch.bool)
+    if pattern == "left-padded":
+        for b, pad in enumerate((0, 4, 9)):
+            allowed[b, ..., :pad] = False
+    else:
+        allowed[:, ..., 3:T:4] = False
+        allowed[1, ..., :6] = False
+    q = torch.randn(B, N, 1, D, generator=g)
+    module = torch.nn.Module()
+    module.is_causal = True
+    out, _ = FT.fia_attention_forward(module, q, keys, values, allowed, scaling=D ** -0.5)
+    kk, vv = k.double().repeat_interleave(N // KVN, 1), v.double().repeat_interleave(N // KVN, 1)
+    sc = (q.double() @ kk.transpose(-1, -2) * D ** -0.5).masked_fill(~allowed, float("-inf"))
+    want = (torch.softmax(sc, -1) @ vv).transpose(1, 2)            # [B, 1, N, D]
+    assert out.shape == want.shape and torch.isfinite(out).all()
+    assert (out.double() - want).abs().max().item() < 1e-5
+
+
 def test_errors_for_what_the_cache_cannot_hold():
     cfg = transformers.LlamaConfig(**COMMON)
     with pytest.raises(ValueError, match="quantize: expected one of"):
