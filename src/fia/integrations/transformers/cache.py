@@ -51,11 +51,11 @@ def _grown(need: int) -> int:
 
 
 def quantize_int8(x: torch.Tensor):
-    """x [B, H, T, D] -> (int8 codes [B, H, T, D], float32 scales [B, H, T]): symmetric, per token and head."""
+    """x [..., T, D] -> (int8 codes [..., T, D], float32 scales [..., T]): symmetric, per token and head."""
     xf = x.float()
-    scale = xf.abs().amax(-1) / 127.0                                  # [B, H, T]
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))      # (an all-zero row: codes 0, any scale)
-    codes = torch.round(xf / scale.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    scale = xf.abs().amax(-1) / 127.0                                  # [..., T]
+    scale = torch.where(scale > 0, scale, 1.0)                         # (an all-zero row: codes 0, any scale)
+    codes = (xf / scale.unsqueeze(-1)).round_().clamp_(-127, 127).to(torch.int8)
     return codes, scale
 
 
@@ -135,8 +135,10 @@ class FiaLayer(CacheLayerMixin):
         if n + t > self.capacity:
             self._allocate(_grown(n + t))
         if self.quantize:
-            kc, ksc = quantize_int8(key_states)
-            vc, vsc = quantize_int8(value_states)
+            if key_states.shape == value_states.shape:                 # one pass over both (a step's ops halved)
+                (kc, vc), (ksc, vsc) = quantize_int8(torch.stack((key_states, value_states)))
+            else:
+                (kc, ksc), (vc, vsc) = quantize_int8(key_states), quantize_int8(value_states)
             self.keys[:, :, n:n + t] = kc
             self.values[:, :, n:n + t] = vc
             self.key_scales[:, :, n:n + t] = ksc
