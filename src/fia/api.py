@@ -35,8 +35,7 @@ __all__ = ["npu_fused_infer_attention_score", "npu_incre_flash_attention", "npu_
            "_npu_fused_infer_attention_score_v2_get_max_workspace",
            "_npu_fused_infer_attention_score_infer_output", "_npu_fused_infer_attention_score_v2_infer_output"]
 
-_dispatch_modes = torch._C._len_torch_dispatch_stack      # () -> active Python dispatch modes
-_jit_tracing = torch._C._is_tracing                        # torch.jit.is_tracing() without its Python frame
+_dispatch_modes, _jit_tracing = replay.dispatch_modes, replay.jit_tracing     # (one definition: fia.replay's)
 _Tensor = torch.Tensor
 _PLAIN = (_Tensor, torch.nn.Parameter)
 _SCALARS = frozenset({type(None), bool, int, float, str})

@@ -58,6 +58,8 @@ from . import caches
 from .config import get_backend, get_validation_mode
 
 _Tensor = torch.Tensor
+dispatch_modes = torch._C._len_torch_dispatch_stack      # () -> active Python dispatch modes
+jit_tracing = torch._C._is_tracing                        # torch.jit.is_tracing() without its Python frame
 _SCALARS = frozenset({type(None), bool, int, float, str})
 _ONES, _FLOATS = repeat(1.0), repeat(float)
 _MAX = 64                       # keys held (fia.caches: cleared when full)
@@ -105,12 +107,16 @@ def _kv_axis(name: str, k, v, kw: dict) -> Optional[int]:
     return ax
 
 
+def _plain(q, k, v) -> bool:
+    """Whether query, key and value are plain strided CPU tensors, none a lazily negated view (parse resolves
+    those): the only tensors a replay key covers."""
+    return (type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor and q.is_cpu and k.is_cpu and v.is_cpu
+            and q.layout == torch.strided and not (q.is_neg() or k.is_neg() or v.is_neg()))
+
+
 def key_of(name: str, q, k, v, kw: dict) -> Optional[tuple]:
     """The call's replay key, or None when the call is not covered (see the module docstring)."""
-    if type(q) is not _Tensor or type(k) is not _Tensor or type(v) is not _Tensor:
-        return None
-    if not (q.is_cpu and k.is_cpu and v.is_cpu) or q.layout != torch.strided or q.is_neg() or k.is_neg() \
-            or v.is_neg():                             # (a lazily negated view: parse resolves it)
+    if not _plain(q, k, v):
         return None
     vals = tuple(kw.values())
     types = tuple(map(type, vals))                     # (True is not 1, 1 is not 1.0)
@@ -270,7 +276,7 @@ class Site:
 
     def call(self, guard: tuple, fn, q, k, v, kw: dict):
         """fn(q, k, v, **kw) -- the entry point `name`, which admits replays (fia.api) -- or its replay."""
-        if torch.compiler.is_compiling() or _dispatch_modes() or _jit_tracing():
+        if torch.compiler.is_compiling() or dispatch_modes() or jit_tracing():
             return fn(q, k, v, **kw)
         meta = self._meta(guard, q, k, v, kw)
         hit = self.table.get(meta)
@@ -289,19 +295,13 @@ class Site:
         return res
 
     def _meta(self, guard: tuple, q, k, v, kw: dict) -> tuple:
-        """The site's lookup key: the caller's guard, what key_of reads of the tensors (plain CPU strided ones
-        only: else a key no `learn` stores) and the modes."""
-        plain = type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor and q.is_cpu and k.is_cpu \
-            and v.is_cpu and q.layout == torch.strided and not (q.is_neg() or k.is_neg() or v.is_neg())
-        if not plain:
+        """The site's lookup key: the caller's guard, what key_of reads of the tensors (plain ones only: others
+        have no replay key, and `call` stores none for them) and the modes."""
+        if not _plain(q, k, v):
             return (None,)
         ax = _kv_axis(self.name, k, v, kw) if _TENSOR_ARGS.isdisjoint(kw) else None   # (key_of's, or finer)
         return (guard, q.dtype, q.shape, q.stride(), k.dtype, v.dtype, _kmeta(k, v, ax), get_validation_mode(),
                 get_backend(), torch.get_num_threads())
-
-
-_dispatch_modes = torch._C._len_torch_dispatch_stack
-_jit_tracing = torch._C._is_tracing
 
 
 def clear() -> None:

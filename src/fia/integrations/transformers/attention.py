@@ -43,14 +43,15 @@ def fia_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
         if q_len > 1 and causal:
             kw["sparse_mode"] = 3                                  # right-down: the new tokens end the window
     elif layer is not None and attention_mask.shape[-1] < kv_len:     # the mask covers the positions written
-        kw = _on_buffers(mask_plan(attention_mask, q_len, attention_mask.shape[-1], bool(causal), sliding_window),
-                         attention_mask.shape[-1], kv_len)
+        written = attention_mask.shape[-1]
+        plan = mask_plan(attention_mask, q_len, written, bool(causal), sliding_window)
+        kw = _on_buffers(plan, written, kv_len)
         if kw is None:                                             # a general mask: the buffers cut to its keys
-            kv_len = attention_mask.shape[-1]
+            kv_len = written
             key, value = key[:, :, :kv_len], value[:, :, :kv_len]
             if key_scales is not None:
                 key_scales, value_scales = key_scales[:, :, :kv_len], value_scales[:, :, :kv_len]
-            kw = dict(mask_plan(attention_mask, q_len, kv_len, bool(causal), sliding_window))
+            kw = dict(plan)
     else:
         kw = dict(mask_plan(attention_mask, q_len, kv_len, bool(causal), sliding_window))
     if kwargs.get("s_aux") is not None:                            # gpt-oss: FIA's learnable sinks (SPEC 1.1b)

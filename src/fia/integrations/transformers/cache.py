@@ -114,11 +114,6 @@ class FiaLayer(CacheLayerMixin):
         ref = weakref.ref(self)
         self.keys._fia_layer = self.values._fia_layer = ref
 
-    def _capacity_for(self, need: int) -> int:
-        if not self.is_initialized:
-            return max(self.capacity, _grown(need))
-        return self.capacity if need <= self.capacity else _grown(need)
-
     # ---- transformers' layer interface
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Write the new states [B, KV_N, T, D] at positions [length, length + T); return the whole buffers
