@@ -31,6 +31,37 @@ def addr_ptr(typingctx, addr):
 
 
 @intrinsic
+def unowned(typingctx, arr):
+    """The same array without its owner (meminfo and parent NULL): numba's reference counts of it and of every
+    view made from it are a null test instead of an atomic add. The caller keeps the owner alive past every use
+    (`alive`)."""
+    if not isinstance(arr, types.Array):
+        return None
+    sig = arr(arr)
+
+    def codegen(context, builder, signature, args):
+        aryty = signature.args[0]
+        src = context.make_array(aryty)(context, builder, args[0])
+        dst = context.make_array(aryty)(context, builder)
+        for name in ("nitems", "itemsize", "data", "shape", "strides"):
+            setattr(dst, name, getattr(src, name))
+        dst.meminfo = cgutils.get_null_value(dst.meminfo.type)
+        dst.parent = cgutils.get_null_value(dst.parent.type)
+        return dst._getvalue()
+    return sig, codegen
+
+
+@intrinsic
+def alive(typingctx, owners):
+    """Nothing, as a call numba keeps: the owners of `unowned` arrays live up to here."""
+    sig = types.none(owners)
+
+    def codegen(context, builder, signature, args):
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
 def fetch_add(typingctx, arr, idx, val):
     """Atomic arr[idx] += val on an int64 array; returns the old value (work sharing between threads)."""
     if not (isinstance(arr, types.Array) and arr.dtype == types.int64):
