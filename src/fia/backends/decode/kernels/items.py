@@ -694,9 +694,9 @@ def attend_items(items, counter, ip, fp, geo, work, tbl, bufs, kchan, kt_tbl, vt
     kb = C * D * elem_layout(ip[IP_K_KIND], 1)[0] if ip[IP_K_FS] != 0 else 0         # nz_pack's scratch bytes
     vb = C * Dv * elem_layout(ip[IP_V_KIND], 1)[0] if ip[IP_V_FS] != 0 else 0
     rbb = C * ip[IP_DR] * elem_layout(ip[IP_R_KIND], 1)[0] if ip[IP_R_FS] != 0 else 0
-    # scratch, once per call (per thread), carved from two allocations (zeroed / not): one allocation and one
-    # reference-counted owner per call instead of one per array. Byte offsets first ([HB, ...]: per KV head of
-    # an item)
+    # scratch, once per call (per thread), unowned arrays carved from two allocations (zeroed / not): one
+    # allocation and one reference-counted owner per call, not one per array. Byte offsets first ([HB, ...]: per
+    # KV head of an item)
     sz = np.empty(35, np.int64)
     nz = _offsets(sz, (HB * R * dq * 4, HB * R * 4, HB * R * 4, R * 8, HB * R * 8, R * 8, dq * 4, 8, HB * R * 4,
                        C * 8, C * 8, C * 8, C * 4, C * 4, C * 4, C * 4, HB * R * dq * 2, R * (C + 2) * 2,
@@ -725,23 +725,28 @@ def attend_items(items, counter, ip, fp, geo, work, tbl, bufs, kchan, kt_tbl, vt
     tov = carray(addr_ptr(z + sz[15]), C, np.float32)
     tsk[:] = 1.0
     tsv[:] = 1.0
-    q2 = carray(addr_ptr(z + sz[16]), (HB, R, dq), np.uint16)      # bf16 query bits of the dp kernels
-    p2 = carray(addr_ptr(z + sz[17]), (R, C + 2), np.uint16)       # bf16 / int16 probabilities (pv_dp / pv_i8 read
-    isc = carray(addr_ptr(z + sz[18]), (HB, 2, R), np.float32)     # pairs: a spare column); the int16 query /
-    i8q = carray(addr_ptr(z + sz[19]), HB, np.bool_)               # probability scales and whether a head's int16
-    sinks = carray(addr_ptr(z + sz[20]), 1, np.uint64)             # query is usable (quant_i16); what touch_rows read
-    knext = carray(addr_ptr(z + sz[21]), C, np.int64)              # the next chunk's K row offsets (prefetched in PV)
-    tacc = carray(addr_ptr(z + sz[22]), (R, Dv), np.float32)       # a chunk's PV sums (left 0 after each chunk)
-    cacc = carray(addr_ptr(z + sz[23]), (HB, R, Dv), np.float32)   # the current block of chunks' acc, sum of
-    cll = carray(addr_ptr(z + sz[24]), (HB, R), np.float32)        # weights and value extras
+    # q2: the bf16 query bits of the dp kernels; p2: bf16 / int16 probabilities (pv_dp / pv_i8 read pairs: a spare
+    # column); isc / i8q: the int16 query / probability scales and whether a head's int16 query is usable
+    # (quant_i16); sinks: what touch_rows read; knext: the next chunk's K row offsets (prefetched during PV); tacc:
+    # a chunk's PV sums (left 0 after each chunk); cacc / cll / cvx: the current block of chunks' acc, sum of
+    # weights and value extras; qerr: the int16 query's score error (I8_QK_MAX_ERR); qraw: exact_key_tokens' query
+    q2 = carray(addr_ptr(z + sz[16]), (HB, R, dq), np.uint16)
+    p2 = carray(addr_ptr(z + sz[17]), (R, C + 2), np.uint16)
+    isc = carray(addr_ptr(z + sz[18]), (HB, 2, R), np.float32)
+    i8q = carray(addr_ptr(z + sz[19]), HB, np.bool_)
+    sinks = carray(addr_ptr(z + sz[20]), 1, np.uint64)
+    knext = carray(addr_ptr(z + sz[21]), C, np.int64)
+    tacc = carray(addr_ptr(z + sz[22]), (R, Dv), np.float32)
+    cacc = carray(addr_ptr(z + sz[23]), (HB, R, Dv), np.float32)
+    cll = carray(addr_ptr(z + sz[24]), (HB, R), np.float32)
     cvx = carray(addr_ptr(z + sz[25]), (HB, R), np.float32)
-    qerr = carray(addr_ptr(z + sz[26]), HB, np.float32)            # the int16 query's score error (I8_QK_MAX_ERR)
-    qraw = carray(addr_ptr(z + sz[27]), (HB, R, Dt), np.float32)   # exact_key_tokens' query
+    qerr = carray(addr_ptr(z + sz[26]), HB, np.float32)
+    qraw = carray(addr_ptr(z + sz[27]), (HB, R, Dt), np.float32)
     vlines = carray(addr_ptr(z + sz[28]), C, np.int64)
     kf = carray(addr_ptr(e + sz[29]), (C, dq), np.float32)
     vf = carray(addr_ptr(e + sz[30]), (C, Dv), np.float32)
     s = carray(addr_ptr(e + sz[31]), (R, C), np.float32)
-    kscr = carray(addr_ptr(e + sz[32]), kb, np.uint8)                # nz_pack's
+    kscr = carray(addr_ptr(e + sz[32]), kb, np.uint8)                  # nz_pack's rows
     vscr = carray(addr_ptr(e + sz[33]), vb, np.uint8)
     rscr = carray(addr_ptr(e + sz[34]), rbb, np.uint8)
     _items(unowned(items), unowned(counter), unowned(ip), unowned(fp), unowned(geo), unowned(work), unowned(tbl),
