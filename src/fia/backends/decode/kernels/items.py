@@ -620,9 +620,8 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
                 else:
                     _qk_loops(qv, kbu, rbu, koff, roff, n, s, kf, i, c0, ip, h, knext, vbuf, vpf, dims, flags, lay,
                               kt_tbl, kgs, kf16)
-                k_packed = _score_terms(s, n, n_, ip, geo, dims, lay, terms, pse, mask, qs, qa, tsk, tok, kfs,
-                                             kbuf, kbu, k_packed, koff, kscr, qraw, hh, kf, offs, rb, rn, rs, c0,
-                                             anyu)
+                k_packed = _score_terms(s, n, n_, ip, geo, dims, lay, terms, pse, mask, qs, qa, tsk, tok, kfs, kbuf,
+                                        kbu, k_packed, koff, kscr, qraw, hh, kf, offs, rb, rn, rs, c0, anyu)
                 # ---- online softmax over the chunk (and the bf16 probabilities of pv_dp)
                 sm_mode = 1 if dp_pv else (2 if i8_pv and vt_mode == 0 else 0)
                 fused = softmax_chunk(s, R, n, m, ll, vx, acc, Dv, p2, sm_mode, isc[1], kshift, cll, cvx, cacc, hh)
