@@ -214,14 +214,16 @@ def _prefetch_policy_in_subprocess(value):
 
 
 def test_decode_prefetch_policy_follows_the_cpu_and_the_environment():
-    """The software-prefetch policy of the decode kernels: by CPU (AMD with AVX-512: nta + own rows ahead; AMD
-    without: nta, V rows only; others: t1), FIA_DECODE_PREFETCH overrides it, and an unknown value warns (naming the variable and the choices)
-    and keeps the default instead of breaking `import fia`."""
+    """The software-prefetch policy of the decode kernels: by CPU (AMD Zen 5, AVX-512 and AVX-VNNI: nta + own rows
+    ahead; AMD without AVX-512: nta, V rows only; Zen 4 and Intel: t1), FIA_DECODE_PREFETCH overrides it, and an
+    unknown value warns (naming the variable and the choices) and keeps the default instead of breaking `import fia`."""
     pytest.importorskip("numba")
     from fia.backends.decode import kernels as K
     from fia.cpu.simd import target_has
-    assert K.PREFETCH_DEFAULT == ("t1" if not target_has("sse4a") else
-                                  "nta+ahead" if target_has("avx512f") else "nta-v")
+    amd = target_has("sse4a")
+    zen5 = amd and target_has("avx512f", "avxvnni")
+    zen4 = amd and target_has("avx512f") and not zen5
+    assert K.PREFETCH_DEFAULT == ("nta+ahead" if zen5 else "t1" if zen4 or not amd else "nta-v")
     assert K.PREFETCH_POLICIES["t1"] == K.DP_PREFETCH
     assert K.PREFETCH_POLICIES["nta+ahead"] == K.DP_PREFETCH | K.DP_NTA | K.DP_AHEAD
     assert K.PREFETCH_POLICIES["nta-v"] == K.DP_PREFETCH | K.DP_NTA | K.DP_NO_PV_K

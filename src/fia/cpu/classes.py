@@ -1,7 +1,7 @@
 """The CPU classes FIA's kernel choices follow, named for fia.explain and the benchmark.
 
 The compiled kernels choose by instruction set (`simd.target_has`: the host's, or the CPU Numba was told to
-target) and, for the decode prefetch policy, by vendor. Users run FIA on five classes of CPU:
+target) and, for the decode prefetch policy, by vendor and AMD generation. Users run FIA on five classes of CPU:
 
 1. AVX2 + FMA (AMD Zen 2 / 3, Intel Haswell to Comet Lake): 8-lane float32 FMA kernels;
 2. AVX-512 without BF16 (Intel Skylake-SP, Cascade Lake, Ice Lake): 16-lane float32 FMA kernels;

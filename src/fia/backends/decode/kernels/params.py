@@ -53,15 +53,18 @@ DP_NO_PV_K = 512
 # software prefetches of them did not help (docs/performance.md, "Kernel choices: the measurements"). Left out for
 # launches that read at most PREFETCH_MIN_BYTES (likely cached), as the prefetch bits.
 DP_TOUCH = 1024
-# Which prefetch policy pays depends on the CPU: "nta+ahead" on AMD with AVX-512, "t1" on Intel (prefetchnta lines
+# Which prefetch policy pays depends on the CPU: "nta+ahead" on AMD Zen 5 (AVX-512 and AVX-VNNI), "t1" on Zen 4
+# (AVX-512 without AVX-VNNI: nta+ahead ran dense bf16 at 0.76-0.82x of t1's speed) and on Intel (prefetchnta lines
 # land in L1 only there and are evicted before the use a chunk later), "nta-v" on AMD with AVX2 only
 # (docs/performance.md, "Kernel choices: the measurements").
-# The default follows the vendor (sse4a: AMD only) and, on AMD, AVX-512; FIA_DECODE_PREFETCH overrides it.
+# The default follows the vendor (sse4a: AMD only) and, on AMD, the generation's features; FIA_DECODE_PREFETCH
+# overrides it.
 PREFETCH_POLICIES = {"off": 0, "t1": DP_PREFETCH, "t1+ahead": DP_PREFETCH | DP_AHEAD,
                      "nta": DP_PREFETCH | DP_NTA, "nta+ahead": DP_PREFETCH | DP_NTA | DP_AHEAD,
                      "t1-v": DP_PREFETCH | DP_NO_PV_K, "nta-v": DP_PREFETCH | DP_NTA | DP_NO_PV_K}
 DP_PREFETCH_BITS = DP_PREFETCH | DP_NTA | DP_AHEAD | DP_NO_PV_K     # every bit a policy sets
-PREFETCH_DEFAULT = ("t1" if not target_has("sse4a") else "nta+ahead" if target_has("avx512f") else "nta-v")
+PREFETCH_DEFAULT = ("t1" if not target_has("sse4a") else "nta+ahead" if target_has("avx512f", "avxvnni") else
+                    "t1" if target_has("avx512f") else "nta-v")
 PREFETCH_POLICY = os.environ.get("FIA_DECODE_PREFETCH", "") or PREFETCH_DEFAULT
 if PREFETCH_POLICY not in PREFETCH_POLICIES:     # a typo must not break `import fia`: say so, keep the default
     warnings.warn(f"FIA_DECODE_PREFETCH: expected one of {', '.join(PREFETCH_POLICIES)}, got "
