@@ -18,7 +18,7 @@ miss an LRU cache as well. Results never depend on a cache: an entry is exactly 
 clear them, `clear_all`, and compare).
 
 Per-object caches (a decode replay's re-planned lengths) use the same classes unregistered (`register=False`):
-they go with their owner.
+they go with their owner, as does an FiaCache layer's memo of its replay (replay.Lane).
 """
 from __future__ import annotations
 

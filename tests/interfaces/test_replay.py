@@ -759,3 +759,63 @@ def test_site_serves_a_decode_loop_exactly(cache):
     metas = list(site.table)
     assert len({m[1] for m in metas}) == 2                      # query dtypes bf16 / fp16: separate entries
     assert len({m[-1] for m in metas}) >= 2                     # thread counts
+
+
+@pytest.mark.parametrize("cache", ["buffers", "int8"])
+def test_lane_serves_a_decode_loop_exactly(cache, monkeypatch):
+    """replay.Lane (an FiaCache layer's memo of its site's replay): over the same buffer objects the steps replay
+    without the site's lookup key, each equal to the full path bit for bit; another K / V object of the same
+    metadata, a new thread count, validation mode or query dtype under the same guard go through the site's
+    lookup (and the lane notes the replay served there)."""
+    site = replay.Site("npu_fused_infer_attention_score", "test-lane")
+    lane = replay.Lane()
+    looked_up = []
+    meta = replay.Site._meta
+    monkeypatch.setattr(replay.Site, "_meta", lambda self, *a: looked_up.append(1) or meta(self, *a))
+    g = gen(962)
+    B, N, KV_N, D, cap = 2, 8, 2, 64, 96
+    kb, vb = randn((B, KV_N, cap, D), g, torch.bfloat16), randn((B, KV_N, cap, D), g, torch.bfloat16)
+    extra = {}
+    if cache == "int8":
+        kb, vb = (torch.randint(-127, 128, (B, KV_N, cap, D), generator=g, dtype=torch.int8) for _ in range(2))
+        extra = dict(key_antiquant_scale=torch.rand(B, KV_N, cap, generator=g) * 0.02 + 1e-3,
+                     value_antiquant_scale=torch.rand(B, KV_N, cap, generator=g) * 0.02 + 1e-3,
+                     key_antiquant_mode=3, value_antiquant_mode=3)
+    kc, vc = kb.clone(), vb.clone()                             # other objects, the same metadata
+    threads = torch.get_num_threads()
+    steps = 0
+    try:
+        for step, length in enumerate(range(40, 70)):
+            qdt = torch.float16 if step in (20, 21) and cache == "int8" else torch.bfloat16
+            torch.set_num_threads(1 if step in (10, 11) else max(2, threads))
+            q = randn((B, N, 1, D), g, qdt)
+            k, v = (kc, vc) if step in (15, 16) else (kb, vb)
+            kw = dict(actual_seq_lengths_kv=[length, length - 7], **extra)
+            kw.update(num_heads=N, num_key_value_heads=KV_N, input_layout="BNSD", scale=D ** -0.5)
+            guard = ("test", tuple(kw))
+            if step in (25, 26):
+                with fia.validation_mode("portable"):
+                    got = site.call(guard, fia.npu_fused_infer_attention_score, q, k, v, dict(kw), lane)
+                    want = full_path(fia.npu_fused_infer_attention_score, q, k, v, **kw)
+            else:
+                got = site.call(guard, fia.npu_fused_infer_attention_score, q, k, v, dict(kw), lane)
+                want = full_path(fia.npu_fused_infer_attention_score, q, k, v, **kw)
+            assert bits_equal(got[0], want[0]) and got[1].shape == want[1].shape, step
+            steps += 1
+    finally:
+        torch.set_num_threads(threads)
+    assert lane.state is not None and lane.state[0] is kb
+    # looked up: the first steps (admission), and each step whose objects or modes differ from the noted call's
+    # and the step after it (back to the noted ones)
+    assert 6 <= len(looked_up) <= 12, len(looked_up)                # (without the lane: 30)
+
+
+def test_lane_is_not_copied():
+    """A copied or pickled lane (an FiaCache deep-copied by a generation mode) starts empty: its replays hold
+    per-thread tables."""
+    import copy
+    import pickle
+    lane = replay.Lane()
+    lane.state = ("anything",)
+    assert copy.deepcopy(lane).state is None
+    assert pickle.loads(pickle.dumps(lane)).state is None

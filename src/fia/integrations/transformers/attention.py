@@ -73,7 +73,7 @@ def fia_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
         if key_scales is not None:
             guard += (key_scales.shape, key_scales.stride(), value_scales.shape, value_scales.stride())
     kw.update(num_heads=n, num_key_value_heads=kv_n, input_layout=layout, scale=scale)
-    out, _ = models.call(query, key, value, kw, portable, guard)
+    out, _ = models.call(query, key, value, kw, portable, guard, None if layer is None else layer.lane)
     if out.shape[-1] != dv:
         out = out[..., :dv]                                        # the zero-padded value channels
     if q_len == 1:

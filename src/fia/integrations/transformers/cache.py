@@ -35,6 +35,8 @@ from typing import Optional
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from fia.replay import Lane
+
 BLOCK = 256                     # capacity granularity (positions)
 INT8_LOGITS_TOLERANCE = 0.05    # int8 vs bf16 FiaCache: max |logit difference| / max |logit| (tested)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -76,6 +78,7 @@ class FiaLayer(CacheLayerMixin):
         self.length = 0
         self.dtype = None
         self.key_scales = self.value_scales = None
+        self.lane = Lane()              # the attention function's replay of this layer's decode steps (fia.replay)
 
     # ---- allocation
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:

@@ -30,27 +30,28 @@ def template(device) -> torch.Tensor:
     return t
 
 
-def call_fia(query, key, value, kw: dict, portable: bool = False, guard: Optional[tuple] = None):
+def call_fia(query, key, value, kw: dict, portable: bool = False, guard: Optional[tuple] = None, lane=None):
     """fia.npu_fused_infer_attention_score (looked up at call time) -> (out, lse). float32 is not an NPU dtype
     (SPEC 1.4): float32 calls run under the portable validation mode, and so do calls the NPU's shape rules do not
     cover (`portable`); float16 / bfloat16 calls in the caller's mode (strict by default: what runs here also
     passes the NPU's checks). `guard`: what kw is made of besides the KV lengths' values and the int8 scales'
-    data (fia.replay.Site): a repeated call -- a decode step of every layer -- then replays without its key."""
+    data (fia.replay.Site): a repeated call -- a decode step of every layer -- then replays without its key; `lane`
+    (fia.replay.Lane, an FiaCache layer's): without the site's lookup either, while K / V are the same buffers."""
     if portable or query.dtype == torch.float32:
         with fia.validation_mode("portable"):
-            return _call(query, key, value, guard, kw)
-    return _call(query, key, value, guard, kw)
+            return _call(query, key, value, guard, kw, lane)
+    return _call(query, key, value, guard, kw, lane)
 
 
 _PUBLIC = fia.npu_fused_infer_attention_score
 _SITE = Site("npu_fused_infer_attention_score", "transformers")
 
 
-def _call(query, key, value, guard: Optional[tuple], kw: dict):
+def _call(query, key, value, guard: Optional[tuple], kw: dict, lane=None):
     attn = fia.npu_fused_infer_attention_score
     if guard is None or attn is not _PUBLIC:            # (a wrapped entry point sees every call)
         return attn(query, key, value, **kw)
-    return _SITE.call(guard, attn, query, key, value, kw)
+    return _SITE.call(guard, attn, query, key, value, kw, lane)
 
 
 # npu_fused_infer_attention_score's argument names -> _v2's (learnable sinks exist on _v2 only)

@@ -46,11 +46,11 @@ def sink_plan(sinks: torch.Tensor, num_heads: int, q_dtype: torch.dtype, kw: dic
     return kw
 
 
-def call(query, key, value, kw: dict, portable: bool = False, guard=None):
-    """call_fia (with its replay guard), or call_fia_v2 when kw has learnable_sink (only _v2 takes it)."""
+def call(query, key, value, kw: dict, portable: bool = False, guard=None, lane=None):
+    """call_fia (with its replay guard and lane), or call_fia_v2 when kw has learnable_sink (only _v2 takes it)."""
     if "learnable_sink" in kw:
         return call_fia_v2(query, key, value, kw, portable)
-    return call_fia(query, key, value, kw, portable, guard)
+    return call_fia(query, key, value, kw, portable, guard, lane)
 
 
 def fit_head_dims(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kw: dict):
