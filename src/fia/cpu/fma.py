@@ -92,13 +92,14 @@ def widen(b, p, kind: int, lanes: int = 16):
     return b.bitcast(b.shl(x, ir.Constant(vi, [16] * lanes)), vf)
 
 
-def widen_eo(b, p):
-    """16 bf16 values at byte pointer p as (even-indexed, odd-indexed) <8 x float> (see KIND_BF16_EO)."""
-    vi = _vec(I32, 8)
-    w = load(b, p, vi)
-    even = b.shl(w, ir.Constant(vi, [16] * 8))
-    odd = b.and_(w, ir.Constant(vi, [-65536] * 8))
-    return b.bitcast(even, _vec(F32, 8)), b.bitcast(odd, _vec(F32, 8))
+def widen_eo(b, p, lanes: int = 8):
+    """2 x lanes bf16 values (dwords of pairs) at byte pointer p as (even-indexed, odd-indexed) <lanes x float>:
+    `bits << 16` and `bits & 0xFFFF0000`, exact (see KIND_BF16_EO)."""
+    vi = _vec(I32, lanes)
+    w = load(b, p, vi, 4 if lanes == 16 else 1)
+    even = b.shl(w, ir.Constant(vi, [16] * lanes))
+    odd = b.and_(w, ir.Constant(vi, [-65536] * lanes))
+    return b.bitcast(even, _vec(F32, lanes)), b.bitcast(odd, _vec(F32, lanes))
 
 
 def _esize(kind: int) -> int:

@@ -33,7 +33,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .fma import F16C, fmadd, widen
+from .fma import F16C, fmadd, widen, widen_eo
 from .simd import (F32, HAS_DP, I32, KIND_FP16, V16F, V16I, c64, dp, gep, load, outlined, ptr, splat, store, var)
 
 NR, NJ = 6, 4                 # rows x 16-column vectors per register block (24 of the 32 zmm registers)
@@ -132,25 +132,24 @@ def _gemm_intrinsic(op: _Op, name: str, doc: str):
     return gemm_intrinsic(gemm_body(lambda b, *a: _block(b, op, *a), NR, COLS, op.b_vec // 16), name, doc)
 
 
-def _widen_pairs(b, p):
-    """16 bf16 pairs (dwords) at byte pointer p as (even-indexed, odd-indexed) <16 x float>: `bits << 16` and
-    `bits & 0xFFFF0000` (exact)."""
-    w = load(b, p, V16I, 4)
-    even = b.shl(w, ir.Constant(V16I, [16] * 16))
-    odd = b.and_(w, ir.Constant(V16I, [-65536] * 16))
-    return b.bitcast(even, V16F), b.bitcast(odd, V16F)
+def fma_block(b, vt, halves, load_b, b_vec, nr, nj, a0, a_rs, bp0, b_rs, nk, c0, c_rs, acc_in):
+    """One register block of float32 FMAs (register_block): float32 A rows of `halves` elements per reduction step,
+    each broadcast against the B operands load_b gives (a tuple of `halves` vectors of type vt). gemm_bf16w's
+    blocks (16 lanes, B pairs widened to even / odd halves) and gemm_narrow.py's (8 lanes)."""
+    def step(b, p, arow, bv, accs):
+        for h in range(halves):
+            for r in range(nr):
+                ap = gep(b, arow[r], b.add(b.mul(p, c64(4 * halves)), c64(4 * h)))
+                av = splat(b, b.load(b.bitcast(ap, F32.as_pointer()), align=4), vt.count)
+                for j in range(nj):
+                    b.store(fmadd(b, av, bv[j][h], b.load(accs[r][j])), accs[r][j])
+    register_block(b, vt, nr, nj, a0, a_rs, bp0, b_rs, nk, c0, c_rs, acc_in, load_b, b_vec, step)
 
 
 def _block_pairs(b, a0, a_rs, bp0, b_rs, npair, c0, c_rs, acc_in):
     """One NR x COLS block of gemm_bf16w: float32 A rows (elements 2p, 2p + 1 per pair step), B pair-packed."""
-    def step(b, p, arow, bv, accs):
-        for h in range(2):
-            for r in range(NR):
-                ap = gep(b, arow[r], b.add(b.mul(p, c64(8)), c64(4 * h)))
-                av = splat(b, b.load(b.bitcast(ap, F32.as_pointer()), align=4), 16)
-                for j in range(NJ):
-                    b.store(fmadd(b, av, bv[j][h], b.load(accs[r][j])), accs[r][j])
-    register_block(b, V16F, NR, NJ, a0, a_rs, bp0, b_rs, npair, c0, c_rs, acc_in, _widen_pairs, 64, step)
+    fma_block(b, V16F, 2, lambda b, p: widen_eo(b, p, 16), 64, NR, NJ, a0, a_rs, bp0, b_rs, npair, c0, c_rs,
+              acc_in)
 
 
 gemm_bf16 = _gemm_intrinsic(_BF16, "fia_gemm_bf16", """C (float32 at caddr, rows c_rs bytes apart) [+]= A . B

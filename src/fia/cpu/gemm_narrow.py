@@ -23,9 +23,9 @@ from typing import Callable, NamedTuple
 
 from llvmlite import ir
 
-from .fma import F16C, widen_eo, fmadd, widen
-from .gemm import gemm_body, gemm_intrinsic, register_block
-from .simd import F32, KIND_FP16, c64, gep, load, splat
+from .fma import F16C, widen_eo, widen
+from .gemm import fma_block, gemm_body, gemm_intrinsic
+from .simd import F32, KIND_FP16, load
 
 NR, NJ = 6, 2                 # rows x 8-column vectors per register block (12 of the 16 ymm registers)
 ROWS = NR                     # R must be a multiple of this
@@ -48,14 +48,7 @@ _BF16 = _Op(32, 2, widen_eo)
 
 def _block(b, op, a0, a_rs, bp0, b_rs, nk, c0, c_rs, acc_in, nr, nj):
     """One nr x 8 nj block: A rows at a0, B columns starting at bp0, C at c0."""
-    def step(b, p, arow, bv, accs):
-        for h in range(op.halves):
-            for r in range(nr):
-                ap = gep(b, arow[r], b.add(b.mul(p, c64(4 * op.halves)), c64(4 * h)))
-                av = splat(b, b.load(b.bitcast(ap, F32.as_pointer()), align=4), 8)
-                for j in range(nj):
-                    b.store(fmadd(b, av, bv[j][h], b.load(accs[r][j])), accs[r][j])
-    register_block(b, V8F, nr, nj, a0, a_rs, bp0, b_rs, nk, c0, c_rs, acc_in, op.load_b, op.b_vec, step)
+    fma_block(b, V8F, op.halves, op.load_b, op.b_vec, nr, nj, a0, a_rs, bp0, b_rs, nk, c0, c_rs, acc_in)
 
 
 def _intrinsic(op: _Op, name: str, doc: str, nr: int = NR, nj: int = NJ):
