@@ -186,6 +186,22 @@ def prefetch_ahead(b, x, addr, offp, n, row_bytes, es, c, nc):
         prefetch_rows(b, (addr, offp, n, row_bytes, es, None), b.add(c, ahead), nc, locality=3)
 
 
+@intrinsic
+def prefetch_span(typingctx, addr, nbytes):
+    """prefetcht1 (into L2) every 64-byte line of the nbytes bytes at addr; nothing for nbytes <= 0. A prefetch never
+    faults: an address outside the buffer costs a request, not an error."""
+    sig = types.void(types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        a, nb = args
+        with builder.if_then(builder.icmp_signed(">", nb, c64(0))):
+            lines = builder.udiv(builder.add(nb, c64(63)), c64(64))
+            with cgutils.for_range(builder, lines) as loop:
+                _prefetch(builder, gep(builder, ptr(builder, a), builder.mul(loop.index, c64(64))))
+        return context.get_dummy_value()
+    return sig, codegen
+
+
 def outlined(context, builder, name, args, body):
     """Call a function `name` of the caller's module whose code body(builder, args) emits (created on first
     use, internal, never inlined): each kernel is optimized as its own function instead of growing the

@@ -10,7 +10,7 @@ import numpy as np
 from numba import carray, njit
 
 from ....cpu.numerics import FM, addr_ptr, bf16_to_f32, fp16_to_f32
-from ....cpu.simd import KIND_BF16, KIND_F32
+from ....cpu.simd import KIND_BF16, KIND_F32, prefetch_span
 from ....cpu import kernel_cache
 from .params import EXC_FACTOR, FS_ADDR, FS_GRAN, FS_KIND, FS_SHAPE, FS_STRIDE, GRAN_CHANNEL, GRAN_HEAD, I8_QK_MAX_ERR
 from .rows import _copy_strided, load_rows, views
@@ -105,6 +105,22 @@ def token_scales(tbl, i, h, c0, n, tb, s_blk, s_h, s_s, mode, sc, off, dst_s, ds
         if sl == tb:
             sl = 0
             bi += 1
+
+
+@njit(cache=True, inline="always")
+def request_tokens(tbl, i, h, c0, n, tb, s_blk, s_h, s_s, mode, sc, off):
+    """Request (prefetcht1) the per-token factors token_scales will copy for keys [c0, c0 + n): those of the first
+    block segment, where they are contiguous (s_s == 1). Issued during the chunk before, they arrive with its PV
+    instead of stalling the next gather (K / V from DRAM: token_scales was 5 % of an int8 call)."""
+    if s_s != 1 or n <= 0:
+        return
+    bi = c0 // tb
+    sl = c0 - bi * tb
+    o = tbl[i, bi] * s_blk + h * s_h + sl
+    nb = 4 * min(n, tb - sl)
+    prefetch_span(sc.ctypes.data + 4 * o, nb)
+    if mode == 2:
+        prefetch_span(off.ctypes.data + 4 * o, nb)
 
 
 @njit(fastmath=FM, cache=True, inline="always")

@@ -15,7 +15,8 @@ from ....cpu.numerics import (FM, addr_ptr, alive, bf16_to_f32, buf_bytes, buf_f
 from ....cpu.simd import KIND_BF16, KIND_F32, KIND_FP16, KIND_I8, PF_AHEAD, PF_NTA, pv_dp, qk_dp
 from ....cpu.vnni import pv_i8, qk_i8
 from ....cpu import kernel_cache
-from .dequant import _i8_tokens_ok, exact_key_tokens, exact_value_tokens, exceptional, token_scales
+from .dequant import (_i8_tokens_ok, exact_key_tokens, exact_value_tokens, exceptional, request_tokens,
+                      token_scales)
 from .generic import pv_block, pv_fused, qk_block, qk_fused
 from .params import (AHEAD_BYTES, BUF_K, BUF_KTO, BUF_KTS, BUF_MASK, BUF_PSE, BUF_Q, BUF_QDS, BUF_QR, BUF_R, BUF_V,
     BUF_VTO, BUF_VTS, FP4_SUB, GEO_JOFS, GEO_NEXT, GEO_PRE, GEO_QBASE, GEO_QHI, GEO_QLO, GEO_QRBASE, I8_QK_MAX_ERR,
@@ -635,6 +636,14 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
                 # ---- V chunk -> tacc (zero here), then into the block's sums cacc[hh]
                 _value_tokens(s, R, n, n_, vt_mode, tsv, tov, vbu, v_kind, voff, Dv, tacc, vf, offs, cvx, hh)
                 use_i8 = i8_pv and ((sm_mode == 2 and fused) or quant_i16(s, R, n, p2i, isc[1]))
+                if pf and c0 + C < hi:                     # the next chunk's per-token factors, on the way
+                    nn = min(C, hi - c0 - C)
+                    if kt_mode != 0:
+                        request_tokens(kt_tbl, i, h, c0 + C, nn, ip[IP_KT_BS], ip[IP_KT_BLK], ip[IP_KT_H], ip[IP_KT_S],
+                                       kt_mode, kts, kto)
+                    if vt_mode != 0:
+                        request_tokens(vt_tbl, i, h, c0 + C, nn, ip[IP_VT_BS], ip[IP_VT_BLK], ip[IP_VT_H], ip[IP_VT_S],
+                                       vt_mode, vts, vto)
                 if dp_pv or use_i8 or fma_pv or generic is None:
                     _pv_kernels(dp_pv, use_i8, c0, hi, tbl, i, h, knext, ip, vbu, voff, roff, n, p2, tacc, kbuf, isc,
                                 s, dims, flags, lay, vt_tbl, vgs, vf16)
