@@ -712,6 +712,18 @@ def _site_call(site, guard, q, k, v, kw):
     return site.call(guard, fia.npu_fused_infer_attention_score, q, k, v, dict(kw))
 
 
+def _decode_buffers(g, int8: bool, B: int, KV_N: int, cap: int, D: int):
+    """(K, V [B, KV_N, cap, D], extra keyword arguments): random bf16 buffers, or int8 ones with per-token scales
+    (antiquant mode 3)."""
+    kb, vb = randn((B, KV_N, cap, D), g, torch.bfloat16), randn((B, KV_N, cap, D), g, torch.bfloat16)
+    if not int8:
+        return kb, vb, {}
+    kb, vb = (torch.randint(-127, 128, (B, KV_N, cap, D), generator=g, dtype=torch.int8) for _ in range(2))
+    return kb, vb, dict(key_antiquant_scale=torch.rand(B, KV_N, cap, generator=g) * 0.02 + 1e-3,
+                        value_antiquant_scale=torch.rand(B, KV_N, cap, generator=g) * 0.02 + 1e-3,
+                        key_antiquant_mode=3, value_antiquant_mode=3)
+
+
 @pytest.mark.parametrize("cache", ["buffers", "growing", "int8"])
 def test_site_serves_a_decode_loop_exactly(cache):
     """replay.Site (the transformers integration's call site): a decode loop over preallocated buffers (FiaCache),
@@ -721,13 +733,7 @@ def test_site_serves_a_decode_loop_exactly(cache):
     site = replay.Site("npu_fused_infer_attention_score", "test")
     g = gen(961)
     B, N, KV_N, D, cap = 2, 8, 2, 64, 96
-    kb, vb = randn((B, KV_N, cap, D), g, torch.bfloat16), randn((B, KV_N, cap, D), g, torch.bfloat16)
-    extra = {}
-    if cache == "int8":
-        kb, vb = (torch.randint(-127, 128, (B, KV_N, cap, D), generator=g, dtype=torch.int8) for _ in range(2))
-        extra = dict(key_antiquant_scale=torch.rand(B, KV_N, cap, generator=g) * 0.02 + 1e-3,
-                     value_antiquant_scale=torch.rand(B, KV_N, cap, generator=g) * 0.02 + 1e-3,
-                     key_antiquant_mode=3, value_antiquant_mode=3)
+    kb, vb, extra = _decode_buffers(g, cache == "int8", B, KV_N, cap, D)
     served0 = replay.stats["replayed"]
     threads = torch.get_num_threads()
     try:
@@ -774,13 +780,7 @@ def test_lane_serves_a_decode_loop_exactly(cache, monkeypatch):
     monkeypatch.setattr(replay.Site, "_meta", lambda self, *a: looked_up.append(1) or meta(self, *a))
     g = gen(962)
     B, N, KV_N, D, cap = 2, 8, 2, 64, 96
-    kb, vb = randn((B, KV_N, cap, D), g, torch.bfloat16), randn((B, KV_N, cap, D), g, torch.bfloat16)
-    extra = {}
-    if cache == "int8":
-        kb, vb = (torch.randint(-127, 128, (B, KV_N, cap, D), generator=g, dtype=torch.int8) for _ in range(2))
-        extra = dict(key_antiquant_scale=torch.rand(B, KV_N, cap, generator=g) * 0.02 + 1e-3,
-                     value_antiquant_scale=torch.rand(B, KV_N, cap, generator=g) * 0.02 + 1e-3,
-                     key_antiquant_mode=3, value_antiquant_mode=3)
+    kb, vb, extra = _decode_buffers(g, cache == "int8", B, KV_N, cap, D)
     kc, vc = kb.clone(), vb.clone()                             # other objects, the same metadata
     threads = torch.get_num_threads()
     steps = 0
