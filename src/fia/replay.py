@@ -183,19 +183,20 @@ def run(key: tuple, q, k, v, kw: dict):
     return res
 
 
-def _replayed(r, key: tuple, q, k, v, kw: dict):
+def _replayed(r, key: tuple, q, k, v, kw: dict, lse: bool = True):
     """Replay r on a call: a lengths replay (key[_LENS]: the lengths argument's name) also takes the call's
     lengths and block table, a growing replay (key[_AXIS]: the sequence axis) the call's KV_S; the call's
-    _TENSOR_ARGS tensors go with it (key[_TENS] names them)."""
+    _TENSOR_ARGS tensors go with it (key[_TENS] names them). lse False: (out, None) where the lse is not wanted
+    (the backend's replay may skip making its empty tensor)."""
     lens, ax = key[_LENS], key[_AXIS]
     if ax is not None:
         kv_s = k.shape[ax]
         if v.shape[ax] != kv_s:                    # (parse's error)
             return None
-        return r(q, k, v, None if lens is None else kw[lens], None, (), kv_s)
+        return r(q, k, v, None if lens is None else kw[lens], None, (), kv_s, lse)
     if lens is None:
-        return r(q, k, v, extras=_extras(key, kw))
-    return r(q, k, v, kw[lens], kw.get("block_table"), _extras(key, kw))
+        return r(q, k, v, extras=_extras(key, kw), lse=lse)
+    return r(q, k, v, kw[lens], kw.get("block_table"), _extras(key, kw), lse=lse)
 
 
 def _extras(key: tuple, kw: dict) -> tuple:
@@ -336,8 +337,30 @@ class Lane:
                       (q.dtype, q.shape, q.stride()), (get_validation_mode(), get_backend(), torch.get_num_threads()),
                       hit)
 
-    def replay(self, guard: tuple, q, k, v, kw: dict):
-        """The noted replay's results for this call, or None (anything differs, or the replay declines)."""
+    def replay(self, guard: tuple, q, k, v, kw: dict, mode: Optional[str] = None):
+        """The noted replay's results for this call, or None (anything differs, or the replay declines). mode: the
+        validation mode the call runs under (None: the current one)."""
+        hit = self._served(guard, q, k, v, mode)
+        res = None if hit is None else _replayed(hit[1], hit[0], q, k, v, kw)
+        if res is not None:
+            stats["replayed"] += 1
+        return res
+
+    def step(self, guard: tuple, q, k, v, kw: dict, mode: Optional[str] = None):
+        """replay's output alone (its lse is not made), or None -- for a caller that drops the lse (a decode step of
+        an integration's attention function), called outside `Site.call`: compiling, dispatch modes and tracing
+        decline here too."""
+        if self.state is None or torch.compiler.is_compiling() or dispatch_modes() or jit_tracing():
+            return None
+        hit = self._served(guard, q, k, v, mode)
+        res = None if hit is None else _replayed(hit[1], hit[0], q, k, v, kw, False)
+        if res is None:
+            return None
+        stats["replayed"] += 1
+        return res[0]
+
+    def _served(self, guard: tuple, q, k, v, mode: Optional[str]):
+        """The noted (key, replay) when this call is the noted one's (see the class doc), else None."""
         k0, v0, g0, kv0, q0, modes, hit = self.state
         if k is not k0 or v is not v0 or guard != g0:
             return None
@@ -345,12 +368,9 @@ class Lane:
             return None
         if (q.dtype, q.shape, q.stride()) != q0 or (k.dtype, k.shape, k.stride(), v.dtype, v.shape, v.stride()) != kv0:
             return None
-        if (get_validation_mode(), get_backend(), torch.get_num_threads()) != modes:
+        if (mode or get_validation_mode(), get_backend(), torch.get_num_threads()) != modes:
             return None
-        res = _replayed(hit[1], hit[0], q, k, v, kw)
-        if res is not None:
-            stats["replayed"] += 1
-        return res
+        return hit
 
 
 def clear() -> None:

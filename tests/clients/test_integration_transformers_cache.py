@@ -153,10 +153,19 @@ def test_decode_steps_are_one_signature_with_lengths(calls):
                                         ("dynamic", torch.bfloat16), ("dynamic", torch.float32)])
 def test_decode_steps_replay_at_the_call_site(kind, dtype, monkeypatch):
     """Decode steps go through the integration's replay call site (fia.replay.Site): after admission every step
-    of every layer is a replay, and the logits equal those of the same generation with the site turned off."""
+    of every layer is a replay -- on an FiaCache from the first lines of the attention function (its layer's lane,
+    attention.lane_step) -- and the logits equal those of the same generation with the site turned off."""
     from fia import replay
     _, mine = _models(dtype)
     ids, mask = _batch(seq=7, pad=0, seed=8)
+    laned = []
+    real_step = FT.attention.lane_step
+
+    def lane_step(*a):
+        out = real_step(*a)
+        laned.append(out is not None)
+        return out
+    monkeypatch.setattr(FT.attention, "lane_step", lane_step)
 
     def cache():
         return DynamicCache(config=mine.config) if kind == "dynamic" else \
@@ -165,6 +174,8 @@ def test_decode_steps_replay_at_the_call_site(kind, dtype, monkeypatch):
     got, gtok = _step_logits(mine, ids, mask, cache(), 8)
     served = replay.stats["replayed"] - before
     assert served >= 5 * COMMON["num_hidden_layers"], served
+    if kind != "dynamic":                                       # (steps 1-2 admit the replay, 3 notes the lane)
+        assert sum(laned) >= 4 * COMMON["num_hidden_layers"], laned
     monkeypatch.setattr(FT.common, "_PUBLIC", None)              # the site off: every call the entry point's
     want, wtok = _step_logits(mine, ids, mask, cache(), 8)
     assert torch.equal(got, want) and torch.equal(gtok, wtok)

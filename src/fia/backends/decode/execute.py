@@ -57,6 +57,21 @@ def merge(K, plan: Plan, factors: tuple, out: torch.Tensor, lse_addr: tuple, par
     return K.merge(plan.mp, plan.geo, *parts, plan.wrange, *pparts, plan.pwrange, *factors, plan.obase, obufs)
 
 
+def launch_array(K, parts: dict) -> np.ndarray:
+    """attend_merge's launch array L: {LA_* index: int64 array (1-D or 2-D)} laid out as the kernels read it (a head
+    of (offset, rows, columns) per part, then the parts' elements, row-major)."""
+    arrs = [np.ascontiguousarray(parts[i], np.int64) for i in range(K.LA_PARTS)]
+    head = 3 * K.LA_PARTS
+    L = np.empty(head + sum(a.size for a in arrs), np.int64)
+    o = head
+    for i, a in enumerate(arrs):
+        rows, cols = (a.shape[0], a.shape[1]) if a.ndim == 2 else (a.size, 1)
+        L[3 * i:3 * i + 3] = o, rows, cols
+        L[o:o + a.size] = a.ravel()
+        o += a.size
+    return L
+
+
 def partials(W: int, H: int, R: int, Dv: int):
     """Unnormalized partial results of W work entries: acc, running max, sum, 'saw a key' flags."""
     W = max(W, 1)

@@ -242,11 +242,11 @@ def _pv_dp(p: AttentionProblem) -> bool:
     return p.out_quant is None
 
 
-def _dp_flags(K, key_bytes: float, keys: int, H: int, pv: bool = True) -> int:
+def _dp_flags(K, key_bytes: float, keys: int, H: int, pv: bool = True, small: bool = True) -> int:
     """ip[IP_DP] of a launch over `keys` keys x H KV heads of key_bytes each (_key_bytes): DP_FLAGS (without
-    DP_PV unless `pv`), without the prefetch bits when it reads at most PREFETCH_MIN_BYTES of K / V."""
+    DP_PV unless `pv`), without the prefetch bits when it reads at most PREFETCH_MIN_BYTES of K / V (and `small`)."""
     flags = K.DP_FLAGS if pv else K.DP_FLAGS & ~K.DP_PV
-    if keys * H * key_bytes <= PREFETCH_MIN_BYTES:
+    if small and keys * H * key_bytes <= PREFETCH_MIN_BYTES:
         return flags & ~(K.DP_PREFETCH_BITS | K.DP_TOUCH)
     return flags
 
@@ -282,6 +282,20 @@ def relength(plan: Plan, p: AttentionProblem, kv_lens: np.ndarray, K, threads: i
             ip[i] = x
     return plan._replace(geo=geo, W=W, wrange=wrange, pwrange=np.ascontiguousarray(wrange[:, :1]),
                          own=[launch._replace(ip=ip, work=work, w0=0, w1=W, items=items, threads=t)])
+
+
+def lengths_params(plan: Plan, p: AttentionProblem, K, threads: int) -> np.ndarray:
+    """lp int64 [LP_LEN]: what attend_merge reads to re-plan a lengths replay's single-threaded call itself (kernels'
+    LP_*), relength's constants -- the lengths it is given make what relength makes of them."""
+    launch = plan.own[0]
+    lp = np.zeros(K.LP_LEN, np.int64)
+    lp[K.LP_NG], lp[K.LP_THREADS] = p.KV_N // int(launch.ip[K.IP_HB]), threads
+    lp[K.LP_MIN_SPLIT], lp[K.LP_PER_THREAD], lp[K.LP_H], lp[K.LP_R] = MIN_SPLIT, ITEMS_PER_THREAD, p.KV_N, p.G * p.Q_S
+    lp[K.LP_MIN_WORK], lp[K.LP_MIN_BYTES] = PARALLEL_MIN_WORK, PARALLEL_MIN_BYTES
+    lp[K.LP_FLAGS] = _dp_flags(K, launch.key_bytes, 0, p.KV_N, _pv_dp(p), small=False)
+    lp[K.LP_FLAGS_SMALL] = _dp_flags(K, launch.key_bytes, 0, p.KV_N, _pv_dp(p))
+    lp[K.LP_PREFETCH_MIN] = PREFETCH_MIN_BYTES
+    return lp
 
 
 def _out_layout(p: AttentionProblem):

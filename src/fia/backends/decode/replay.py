@@ -8,7 +8,6 @@ keeps it per call signature and checks it once against the full path before use.
 from __future__ import annotations
 
 import math
-import threading
 from typing import Optional
 
 import numpy as np
@@ -21,9 +20,9 @@ from ...problem.attention import AttentionProblem
 from ...problem.outputs import expected_outputs
 from ... import caches
 from . import loader
-from .execute import QK_STATS, lse_target, merge, partials
+from .execute import QK_STATS, launch_array, lse_target, merge, partials
 from .inputs import Inputs, factor_meta, factor_specs, fill_factors, no_factors, view_address, views_of
-from .plan import PLANS, Plan, plan_key, plan_of, relength, tuning
+from .plan import PLANS, Plan, lengths_params, plan_key, plan_of, relength, tuning
 
 
 def prepare(p: AttentionProblem, query, key, value, lengths: bool = False, extras: tuple = (),
@@ -67,8 +66,8 @@ def prepare(p: AttentionProblem, query, key, value, lengths: bool = False, extra
     return Replay(p, x, plan, K, (query, key, value), lengths, views, kv_axis)
 
 
-class _PerThread(threading.local):
-    bufs = None                                     # a copy of Replay.bufs, refilled by each call of the thread
+_NO_LENS = np.zeros(0, np.int64)                 # attend_merge's kv_lens when the plan is run as given
+_NO_UNITS = np.zeros((0, 2), np.int64)           # ... its units where no stride grows
 
 
 class Replay:
@@ -99,12 +98,10 @@ class Replay:
                 raise AssertionError(f"strides {self.growing} of a contiguous cache of KV_S {s0}")
         self.memo_key = p.memo_key
         self.bufs = x.addresses(K)                  # [2, BUF_LEN]: spans fixed by the metadata
-        self.mine = _PerThread()
         src.addresses(self.bufs, K)
-        self.slots = (K.BUF_Q, K.BUF_K, K.BUF_V)
         views = (x.q, src.key, src.value)           # the canonical views the kernels read
         self.deltas = tuple(c.data_ptr() - t.data_ptr() for c, t in zip(views, tensors))
-        self.bufs[0, list(self.slots)] = 0          # (no address of the admitting call survives)
+        self.bufs[0, [K.BUF_Q, K.BUF_K, K.BUF_V]] = 0     # (no address of the admitting call survives)
         # Inputs' dummies only (no sink here; dequant factors: made per call from its tensors, see _factors):
         # no tensor of the admitting call is kept
         self.aq = None
@@ -134,12 +131,21 @@ class Replay:
         self.rows = (p.KV_N, p.G * p.Q_S, p.Dv)
         # paged (lengths replays only): block size, blocks in the pool -- each call's table is range-checked
         self.paged = (p.kv.block_size, p.kv.key.shape[0]) if p.kv.kind == "paged" else None
-        self.prepared = self._prepare(plan)
         self.lengths = None
+        self.lp, self.units = np.zeros(K.LP_LEN, np.int64), _NO_UNITS
+        self.fused = False                          # whether attend_merge re-plans each call's lengths itself
         if lengths:                                 # what re-planning reads: metadata only (the tensors dropped)
             self.lengths = caches.BoundedCache("decode.replay.lengths", self._MAX_LENGTHS, register=False)
             self.p = p.evolve(query=None, kv=None, antiquant=None)
             self.tuning = tuning(K)
+            # a single-threaded call (a short cache: where the host's share is largest) re-plans inside its one
+            # dispatch; relength's Python, once per step and layer 0's, cost ~85 us in a model (cold caches)
+            self.fused = self.paged is None
+            self.lp = lengths_params(plan, p, K, self.tuning[0])
+            if self.growing is not None:
+                s0 = self.growing[0]
+                self.units = np.array([(i, st // s0) for i, st in self.growing[1]], np.int64).reshape(-1, 2)
+        self.prepared = self._prepare(plan)
 
     def stale(self) -> bool:
         """Whether the tuning (thread count, constants) changed since the replay was made."""
@@ -148,17 +154,20 @@ class Replay:
         return PLANS.get(plan_key(self.memo_key, loader.K)) is not self.prepared[0]
 
     def _prepare(self, plan: Plan, lens: tuple = ()) -> tuple:
+        """(plan, its launch, partials' dims, attend_merge's launch array, paged: the table columns each batch
+        uses)."""
         parts = (plan.W,) + self.rows
-        used = None                                 # paged: the table columns each batch uses
+        used = None
         if self.paged is not None:
             bs = self.paged[0]
             used = np.array([(n + bs - 1) // bs for n in lens], np.int64)
         launch = plan.own[0]
-        dims = np.array(parts + (plan.out_bytes, self.lse_bytes), np.int64)
-        # attend_merge's arguments around the per-call ones (bufs ... factors ... out, lse)
-        head = (launch.items, launch.ip, plan.fp, plan.geo, launch.work)
-        tail = (launch.generic, plan.mp, plan.wrange, plan.pwrange)
-        return plan, launch, parts, dims, used, head, tail, plan.obase
+        K = loader.K
+        L = launch_array(K, {K.LA_ITEMS: launch.items, K.LA_IP: launch.ip, K.LA_GEO: plan.geo, K.LA_WORK: launch.work,
+                             K.LA_MP: plan.mp, K.LA_WRANGE: plan.wrange, K.LA_PWRANGE: plan.pwrange,
+                             K.LA_OBASE: plan.obase, K.LA_DIMS: parts + (plan.out_bytes, self.lse_bytes),
+                             K.LA_LP: self.lp, K.LA_UNITS: self.units})
+        return plan, launch, parts, L, used
 
     def _table(self, table, used: np.ndarray) -> Optional[np.ndarray]:
         """A paged call's block table as the kernels read it (int64 [B, MB]), or None where parse would refuse
@@ -170,19 +179,24 @@ class Replay:
             return None
         return host.astype(np.int64)
 
-    def _for_lengths(self, lens, K, kv_s: Optional[int] = None) -> Optional[tuple]:
-        """The prepared plan for a call's KV lengths (a growing replay: and its KV_S; lens None: all KV_S), or
-        None (invalid lengths, stale tuning, no work)."""
+    def _checked(self, lens, K, kv_s: Optional[int] = None) -> Optional[tuple]:
+        """A call's KV lengths (a growing replay: of KV_S kv_s; lens None: all KV_S) as parse accepts them, or None
+        (invalid lengths, stale tuning)."""
         if tuning(K) != self.tuning:
             return None
         S = self.p.KV_S if kv_s is None else kv_s
         if lens is None and kv_s is not None:
-            lens = (S,) * self.p.B
-        elif type(lens) not in (list, tuple) or (lens := broadcast(lens, self.p.B)) is None:
+            return (S,) * self.p.B
+        if type(lens) not in (list, tuple) or (lens := broadcast(lens, self.p.B)) is None:
             return None
         for v in lens:
             if type(v) is not int or v < 0 or v > S:
                 return None
+        return tuple(lens)
+
+    def _for_lengths(self, lens: tuple, K, kv_s: Optional[int] = None) -> Optional[tuple]:
+        """The prepared plan for checked KV lengths (_checked; a growing replay: and its KV_S), or None (no
+        work)."""
         ck = lens if kv_s is None else (lens, kv_s)
         got = self.lengths.get(ck)
         if got is None:
@@ -208,32 +222,34 @@ class Replay:
         kchan, vcs, vco, exceptional = fill_factors(meta, specs)
         return None if exceptional else (kchan, (self.factors[0], vcs, vco))
 
-    def __call__(self, q, k, v, lens=None, table=None, extras=(), kv_s=None):
+    def __call__(self, q, k, v, lens=None, table=None, extras=(), kv_s=None, lse=True):
+        """(out, lse) of a call (lse False: (out, None) where the call wants no lse), or None: the full path."""
         K = loader.K
         tbl = self.tbls[0]
-        bufs = self.mine.bufs                       # this thread's table (concurrent calls share the replay): the
-        if bufs is None:                            # slots that vary are written by every call
-            bufs = self.mine.bufs = self.bufs.copy()
-        if self.growing is not None:
-            if kv_s is None:
-                return None
-            prepared = self._for_lengths(lens, K, kv_s)
-            if prepared is None:
-                return None
-            bufs[1, K.BUF_K], bufs[1, K.BUF_V] = k.nbytes, v.nbytes      # (contiguous: their whole spans)
-        elif self.lengths is not None:
-            prepared = self._for_lengths(lens, K)
-            if prepared is None:
-                return None
-            if self.paged is not None:
-                tbl = self._table(table, prepared[4])
-                if tbl is None:
+        prepared = self.prepared
+        kvl = _NO_LENS                              # lengths attend_merge re-plans for (self.fused)
+        kb = vb = -1                                # K / V spans that vary (a growing cache's; contiguous: whole)
+        if self.lengths is not None:
+            if self.growing is not None:
+                if kv_s is None:
                     return None
-        else:
-            if self.stale():
+                kb, vb = k.nbytes, v.nbytes
+            lens = self._checked(lens, K, kv_s)
+            if lens is None:
                 return None
-            prepared = self.prepared
-        plan, launch, parts, dims, _, head, tail, obase = prepared
+            if self.fused:
+                kvl = np.array(lens, np.int64)
+            else:
+                prepared = self._for_lengths(lens, K, kv_s)
+                if prepared is None:
+                    return None
+                if self.paged is not None:
+                    tbl = self._table(table, prepared[4])
+                    if tbl is None:
+                        return None
+        elif self.stale():
+            return None
+        plan, launch, parts, L, _ = prepared
         if self.aq is None:
             kchan, factors = self.kchan, self.factors
         else:
@@ -241,10 +257,12 @@ class Replay:
             if got is None:                         # exceptional factors: the full path (decode backend: the reference)
                 return None
             kchan, factors = got
-        s, d = self.slots, self.deltas
-        bufs[0, s[0]], bufs[0, s[1]], bufs[0, s[2]] = q.data_ptr() + d[0], k.data_ptr() + d[1], v.data_ptr() + d[2]
+        d = self.deltas
+        qa, ka, va = q.data_ptr() + d[0], k.data_ptr() + d[1], v.data_ptr() + d[2]
+        bufs = self.bufs                            # (shared: the query, key and value slots are filled in a copy)
         kt_tbl, vt_tbl = self.tbls[1], self.tbls[2]
         if self.tok_slots:
+            bufs = bufs.copy()
             views = self.aq[1]
             for slot, j in self.tok_slots:
                 bufs[0, slot] = view_address(views[j], extras)
@@ -254,12 +272,19 @@ class Replay:
         if self.want_lse:
             lse, lse_addr = lse_target(self.lse_shape, True)
         else:
-            lse, lse_addr = torch.empty(0, dtype=torch.float32), self.scratch[1]
-        if launch.threads == 1:                     # attend + merge in one dispatch (a non-finite row: the full path)
-            if K.attend_merge(*head, tbl, bufs, kchan, kt_tbl, vt_tbl, *tail, *factors, obase, dims, out.data_ptr(),
-                              lse_addr[0], QK_STATS):
+            lse, lse_addr = torch.empty(0, dtype=torch.float32) if lse else None, self.scratch[1]
+        if kvl is not _NO_LENS or launch.threads == 1:      # attend + merge in one dispatch (non-finite: the full path)
+            got = K.attend_merge(L, plan.fp, kvl, kv_s or 0, launch.key_bytes, tbl, bufs, kchan, kt_tbl, vt_tbl,
+                                 launch.generic, *factors, QK_STATS, qa, ka, va, kb, vb, out.data_ptr(), lse_addr[0])
+            if got == 0:
+                return out, lse
+            if got > 0 or (prepared := self._for_lengths(lens, K, kv_s)) is None:
                 return None
-            return out, lse
+            plan, launch, parts, L, _ = prepared     # (-1: threaded, planned by relength)
+        bufs = bufs.copy()
+        bufs[0, K.BUF_Q], bufs[0, K.BUF_K], bufs[0, K.BUF_V] = qa, ka, va
+        if kb >= 0:
+            bufs[1, K.BUF_K], bufs[1, K.BUF_V] = kb, vb
         po = partials(*parts)
         launch_threads(K.attend_items, launch.items, launch.threads,
                 (launch.ip, plan.fp, plan.geo, launch.work, tbl, bufs, kchan, kt_tbl, vt_tbl, *po,

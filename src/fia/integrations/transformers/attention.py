@@ -7,17 +7,26 @@ import torch
 
 from . import batching, models
 from .cache import layer_of
-from .common import template, unsupported
+from .common import lane_step, template, unsupported
 from .masks import mask_plan
 
 # keyword arguments a decode step's guard does not cover (the step then takes the usual path)
 _UNGUARDED = frozenset({"kv_padding_size", "atten_mask", "learnable_sink", "query_rope", "key_rope"})
+# keyword arguments transformers passes that no FIA argument depends on: a call with only these may take its lane
+_INERT = frozenset({"position_ids", "use_cache", "cache_position"})
 
 
 def fia_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
                           sliding_window=None, softcap=None, **kwargs):
     """transformers' attention-function signature (as sdpa_attention_forward): returns ([B, S, N, Dv], None)."""
+    if attention_mask is None and softcap is None and not dropout and _INERT.issuperset(kwargs):
+        layer = layer_of(key)                                      # an FiaCache decode step its lane replays
+        if layer is not None and layer.lane.state is not None and query.dim() == 4 and query.shape[2] == 1:
+            kw, guard = _cache_step(layer, query, key, scaling)
+            out = lane_step(query, key, value, kw, guard, layer.lane)
+            if out is not None:
+                return out.transpose(1, 2), None                   # (the same result as the path below)
     if softcap is not None:
         unsupported(f"attention logit soft-capping (softcap={softcap})", "FIA has no logit soft-capping")
     if dropout and dropout > 0:
@@ -38,7 +47,9 @@ def fia_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
     scale = float(scaling) if scaling is not None else d ** -0.5
     layer = layer_of(key)                                          # an FiaCache buffer: its length is known
     key_scales, value_scales = (None, None) if layer is None else (layer.key_scales, layer.value_scales)
-    if layer is not None and attention_mask is None:               # (transformers skipped an all-causal mask)
+    if layer is not None and attention_mask is None and q_len == 1:
+        kw, _ = _cache_step(layer, query, key, scaling)
+    elif layer is not None and attention_mask is None:             # (transformers skipped an all-causal mask)
         kw = {"actual_seq_lengths_kv": [layer.length]}
         if q_len > 1 and causal:
             kw["sparse_mode"] = 3                                  # right-down: the new tokens end the window
@@ -58,7 +69,7 @@ def fia_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
         kw = models.sink_plan(kwargs["s_aux"], n, query.dtype, kw, attention_mask, q_len, kv_len)
     if kw.get("sparse_mode") in (3, 4):
         kw["atten_mask"] = template(query.device)
-    if key.dtype == torch.int8:                                    # an int8 FiaCache's decode step
+    if key.dtype == torch.int8 and "key_antiquant_scale" not in kw:    # an int8 FiaCache's decode step (masked)
         if layer is None or key_scales is None or q_len != 1:
             unsupported("int8 key / value states", "only an int8 FiaCache's decode steps pass them (with its scales)")
         kw.update(key_antiquant_scale=key_scales, value_antiquant_scale=value_scales,
@@ -68,10 +79,7 @@ def fia_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
     query, key, value, portable = models.fit_head_dims(query, key, value, kw)     # DeepSeek-V3: D 192, Dv 128
     guard = None
     if q_len == 1 and not portable and _UNGUARDED.isdisjoint(kw):      # a decode step: fia.replay.Site's guard
-        lens = kw.get("actual_seq_lengths_kv")
-        guard = (n, kv_n, scale, math.copysign(1.0, scale), tuple(kw), None if lens is None else len(lens))
-        if key_scales is not None:
-            guard += (key_scales.shape, key_scales.stride(), value_scales.shape, value_scales.stride())
+        guard = _guard(n, kv_n, scale, kw)
     kw.update(num_heads=n, num_key_value_heads=kv_n, input_layout=layout, scale=scale)
     out, _ = models.call(query, key, value, kw, portable, guard, None if layer is None else layer.lane)
     if out.shape[-1] != dv:
@@ -79,6 +87,29 @@ def fia_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
     if q_len == 1:
         out = out.transpose(1, 2)                                  # [B, N, 1, D] -> [B, 1, N, D] (no copy)
     return out, None
+
+
+def _guard(n: int, kv_n: int, scale: float, kw: dict) -> tuple:
+    """fia.replay.Site's guard of a decode step's call: everything kw is made of but the KV lengths' values and the
+    int8 scales' data (their metadata is in)."""
+    lens = kw.get("actual_seq_lengths_kv")
+    guard = (n, kv_n, scale, math.copysign(1.0, scale), tuple(kw), None if lens is None else len(lens))
+    ks = kw.get("key_antiquant_scale")
+    if ks is not None:
+        vs = kw["value_antiquant_scale"]
+        guard += (ks.shape, ks.stride(), vs.shape, vs.stride())
+    return guard
+
+
+def _cache_step(layer, query: torch.Tensor, key: torch.Tensor, scaling) -> tuple:
+    """(kw, guard) of an FiaCache layer's decode step without a mask, before the call's common arguments: its length
+    (the buffers' unused tail is right padding); an int8 layer's scales, per token and KV head [B, KV_N, capacity]."""
+    kw = {"actual_seq_lengths_kv": [layer.length]}
+    if key.dtype == torch.int8 and layer.key_scales is not None:
+        kw.update(key_antiquant_scale=layer.key_scales, value_antiquant_scale=layer.value_scales,
+                  key_antiquant_mode=3, value_antiquant_mode=3)
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    return kw, _guard(query.shape[1], key.shape[1], scale, kw)
 
 
 def _on_buffers(plan: dict, written: int, capacity: int):

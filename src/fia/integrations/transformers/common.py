@@ -54,6 +54,15 @@ def _call(query, key, value, guard: Optional[tuple], kw: dict, lane=None):
     return _SITE.call(guard, attn, query, key, value, kw, lane)
 
 
+def lane_step(query, key, value, kw: dict, guard: tuple, lane):
+    """call_fia(query, key, value, kw, guard=guard, lane=lane)'s output where `lane` serves the call (its noted replay,
+    fia.replay.Lane.step: a decode step on the layer's buffers), else None -- reading kw's KV lengths and int8
+    scales alone: a caller skips building the rest of the call."""
+    if fia.npu_fused_infer_attention_score is not _PUBLIC:
+        return None
+    return lane.step(guard, query, key, value, kw, "portable" if query.dtype == torch.float32 else None)
+
+
 # npu_fused_infer_attention_score's argument names -> _v2's (learnable sinks exist on _v2 only)
 V2_NAMES = {"num_heads": "num_query_heads", "scale": "softmax_scale", "actual_seq_lengths": "actual_seq_qlen",
             "actual_seq_lengths_kv": "actual_seq_kvlen", "key_antiquant_scale": "dequant_scale_key",

@@ -12,7 +12,10 @@ from ....cpu.numerics import FM, buf_bytes, buf_f32, f32_as_u32, f32_to_bf16_bit
 from ....cpu.simd import KIND_BF16
 from ....cpu import kernel_cache
 from .items import attend_items
-from .params import GEO_NEXT, GEO_PRE, GEO_QHI, GEO_QLO, GEO_S2
+from .params import (BUF_K, BUF_Q, BUF_V, GEO_NEXT, GEO_PRE, GEO_QHI, GEO_QLO, GEO_S2, IP_C, IP_DP, LA_DIMS,
+                     LA_GEO, LA_IP, LA_ITEMS, LA_LP, LA_MP, LA_OBASE, LA_PWRANGE, LA_UNITS, LA_WORK, LA_WRANGE,
+                     LP_FLAGS, LP_FLAGS_SMALL, LP_H, LP_MIN_BYTES, LP_MIN_SPLIT, LP_MIN_WORK, LP_NG, LP_PER_THREAD,
+                     LP_PREFETCH_MIN, LP_R, LP_THREADS)
 
 # Numba's cache of these kernels also follows the files whose code they embed (cpu/kernel_cache.py)
 kernel_cache.install()
@@ -261,13 +264,57 @@ def _store(of, oh, okind, ob, o, Dv):
             oh[ob + d] = f32_to_half_bits(o[d])
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _part(L, i):
+    """Part i (LA_*) of a launch array, 1-D."""
+    o = L[3 * i]
+    return L[o:o + L[3 * i + 1] * L[3 * i + 2]]
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _part2(L, i):
+    """Part i (LA_*) of a launch array, [rows, columns]."""
+    o = L[3 * i]
+    return L[o:o + L[3 * i + 1] * L[3 * i + 2]].reshape((L[3 * i + 1], L[3 * i + 2]))
+
+
 @njit(nogil=True, cache=True)
-def attend_merge(items, ip, fp, geo, work, tbl, bufs, kchan, kt_tbl, vt_tbl, generic, mp, wrange, pwrange, sink,
-                 vcs, vco, obase, dims, out_addr, lse_addr, stats):
+def attend_merge(L, fp, kv_lens, kv_s, key_bytes, tbl, bufs0, kchan, kt_tbl, vt_tbl, generic, sink, vcs, vco, stats,
+                 q_addr, k_addr, v_addr, k_bytes, v_bytes, out_addr, lse_addr):
     """A single-threaded call without a prefix (fia.replay): attend_items on the calling thread, then merge, in
     one dispatch -- the partials [W, KV_N, R(, Dv)] (dims = W, KV_N, R, Dv, output bytes, lse bytes), the
-    counter and obufs made here. On a small call each numba dispatch and each numpy allocation costs the
-    host microseconds (the benchmark's small call). Returns merge's non-finite flag."""
+    counter and obufs made here. On a small call each numba dispatch, each argument it unboxes and each numpy
+    allocation costs the host microseconds (the benchmark's small call; a layer's call inside a model). L: the
+    launch (LA_* parts: items, ip, geo, work, mp, wrange, pwrange, obase, dims, lp, units); bufs0: the buffer
+    table but for the query, key and value, whose addresses (and, k_bytes >= 0, K / V spans) each call brings.
+    Returns merge's non-finite flag.
+
+    kv_lens [B] (a lengths replay's call; empty: the plan as given): the plan is first re-made for these KV
+    lengths as plan.relength makes it (replan; lp: its parameters, LP_*; key_bytes: the launch's; units [n, 2]:
+    int parameters set to units x kv_s, a growing cache's strides). Returns -1 without running anything where
+    the lengths take a threaded launch or leave no work (the caller's relength path)."""
+    items, ip, geo, work = _part(L, LA_ITEMS), _part(L, LA_IP), _part2(L, LA_GEO), _part2(L, LA_WORK)
+    mp, wrange, pwrange, obase = _part(L, LA_MP), _part2(L, LA_WRANGE), _part2(L, LA_PWRANGE), _part2(L, LA_OBASE)
+    dims = _part(L, LA_DIMS)
+    if kv_lens.shape[0] > 0:
+        lp = _part(L, LA_LP)
+        geo, work, wrange, items, t, keys = replan(
+            geo, kv_lens, lp[LP_NG], lp[LP_THREADS], ip[IP_C], lp[LP_MIN_SPLIT], lp[LP_PER_THREAD], lp[LP_H],
+            lp[LP_R], key_bytes, lp[LP_MIN_WORK], lp[LP_MIN_BYTES])
+        if t != 1 or work.shape[1] == 0:
+            return -1
+        ip = ip.copy()
+        ip[IP_DP] = lp[LP_FLAGS] if keys * lp[LP_H] * key_bytes > lp[LP_PREFETCH_MIN] else lp[LP_FLAGS_SMALL]
+        units = _part2(L, LA_UNITS)
+        for i in range(units.shape[0]):
+            ip[units[i, 0]] = units[i, 1] * kv_s
+        pwrange = wrange[:, :1].copy()
+        dims = dims.copy()
+        dims[0] = work.shape[1]
+    bufs = bufs0.copy()
+    bufs[0, BUF_Q], bufs[0, BUF_K], bufs[0, BUF_V] = q_addr, k_addr, v_addr
+    if k_bytes >= 0:
+        bufs[1, BUF_K], bufs[1, BUF_V] = k_bytes, v_bytes
     W = max(dims[0], 1)
     po = np.empty((W, dims[1], dims[2], dims[3]), np.float32)
     pm = np.empty((W, dims[1], dims[2]), np.float32)

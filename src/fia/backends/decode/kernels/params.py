@@ -124,6 +124,14 @@ IP_LEN = 66
 # rows of the per-batch geometry array geo [GEO_LEN, B]
 GEO_QLO, GEO_QHI, GEO_S2, GEO_PRE, GEO_NEXT, GEO_JOFS, GEO_QBASE, GEO_QRBASE = range(8)
 GEO_LEN = 8
+# a lengths replay's re-plan inside attend_merge (plan.lengths_params): int64 lp [LP_LEN]
+(LP_NG, LP_THREADS, LP_MIN_SPLIT, LP_PER_THREAD, LP_H, LP_R, LP_MIN_WORK, LP_MIN_BYTES, LP_FLAGS, LP_FLAGS_SMALL,
+ LP_PREFETCH_MIN) = range(11)
+LP_LEN = 11
+# attend_merge's launch array L (int64): a head of (offset, rows, columns) per part (a 1-D part: columns 1), then
+# the parts -- one array to unbox per call instead of eleven (~1 us each in a model, where every object is cold)
+(LA_ITEMS, LA_IP, LA_GEO, LA_WORK, LA_MP, LA_WRANGE, LA_PWRANGE, LA_OBASE, LA_DIMS, LA_LP, LA_UNITS) = range(11)
+LA_PARTS = 11
 # buffers reach the kernels as (address, bytes) pairs: bufs int64 [2, BUF_LEN]
 (BUF_Q, BUF_QR, BUF_QDS, BUF_K, BUF_R, BUF_V, BUF_KTS, BUF_KTO, BUF_VTS, BUF_VTO, BUF_PSE, BUF_MASK) = range(12)
 BUF_LEN = 12
