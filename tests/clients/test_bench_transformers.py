@@ -46,6 +46,9 @@ def test_cli_tiny_model(tmp_path, capsys):
         assert r["decode_tok_s"] == pytest.approx(r["batch"] * 1e3 / r["decode_ms_per_step"])
         assert r["prefill_tok_s"] == pytest.approx(r["batch"] * r["context"] * 1e3 / r["prefill_ms"])
         assert 0 < r["attn_share"] < 1 and 0 < r["prefill_attn_share"] < 1
+        calls = r["steps"] * TINY["num_hidden_layers"]               # the share's time over its layer calls
+        assert r["attn_us_per_call"] == pytest.approx(
+            r["attn_share"] * r["decode_ms_per_step"] * r["steps"] * 1e3 / calls, rel=1e-9)
         assert 0 <= r["same_tokens_as_sdpa"] <= 1
         if r["impl"] == "sdpa":
             assert r["x_sdpa"] == 1.0 and r["same_tokens_as_sdpa"] == 1.0

@@ -565,6 +565,39 @@ def test_stale_lengths_replay_is_replaced(monkeypatch):
     assert replay.stats["admitted"] == 2 and replay.stats["replayed"] == 1 + 3, replay.stats   # re-admitted at once
 
 
+@pytest.mark.parametrize("growing", [False, True], ids=["lengths", "growing"])
+def test_lengths_replay_between_one_thread_and_two(growing, monkeypatch):
+    """A lengths replay re-plans a one-thread call inside its kernel dispatch (attend_merge) and hands lengths that
+    take two threads to plan.relength: a loop whose lengths cross that line both ways (and a growing cache's KV_S
+    with them) equals the full path bit for bit every call, and both launches ran."""
+    monkeypatch.setattr(DEC_PLAN, "PARALLEL_MIN_WORK", 2048)     # more than 2048 keys x rows: two threads
+    monkeypatch.setattr(DEC_PLAN, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(DEC_PLAN, "MIN_SPLIT", 64)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    B, N, KV_N, S, D = 2, 8, 2, 700, 64
+    kw = dict(num_heads=N, num_key_value_heads=KV_N, input_layout="BNSD", scale=0.125)
+    made = []
+    real = DEC_PLAN.relength
+    monkeypatch.setattr("fia.backends.decode.replay.relength", lambda *a: made.append(a[2].tolist()) or real(*a))
+    g = gen(1150)
+    try:
+        for step, n in enumerate((30, 40, 600, 50, 650, 60, 690, 20, 680)):
+            lens = [n, max(1, n - 17)]
+            kv_s = n if growing else S              # a growing cache: a new contiguous K / V of n positions
+            q, k, v = randn((B, N, 1, D), g, torch.bfloat16), *(randn((B, KV_N, kv_s, D), g, torch.bfloat16)
+                                                               for _ in range(2))
+            call = dict(kw) if growing else dict(kw, actual_seq_lengths_kv=lens)
+            got = fia.npu_fused_infer_attention_score(q, k, v, **call)
+            want = full_path(fia.npu_fused_infer_attention_score, q, k, v, **call)
+            assert bits_equal(got[0], want[0]) and bits_equal(got[1], want[1]), (step, lens)
+    finally:
+        torch.set_num_threads(threads)
+    assert replay.stats["admitted"] == 1 and replay.stats["replayed"] == 7, replay.stats
+    big = [m for m in made if max(m) >= 600]
+    assert big and len(big) == len(made), made           # relength: the two-thread lengths alone
+
+
 def test_all_zero_lengths_do_not_block_a_lengths_replay():
     B, N, KV_N, S, D = 2, 4, 2, 64, 32
     kw = dict(num_heads=N, num_key_value_heads=KV_N, input_layout="BNSD", scale=0.2)

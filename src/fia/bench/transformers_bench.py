@@ -10,7 +10,8 @@ run of the full prefill and 4 steps). Columns:
 - decode ms / step and tokens / s (batch / step time);
 - attn share: the time spent inside the attention function calls of the decode steps / the decode time (FIA's
   function for impl fia, SDPA's for sdpa): while the benchmark runs, transformers' attention registry maps each
-  implementation to a wrapper that times the call with time.perf_counter (~0.3 us added per call);
+  implementation to a wrapper that times the call with time.perf_counter (~0.3 us added per call); attn us / call:
+  that time per layer call (decode time inside the calls / (steps x layers));
 - x SDPA: SDPA's decode ms / step with DynamicCache / the row's (> 1: faster than SDPA); prefill ms and its x SDPA;
 - same tokens: the fraction of the B x (steps + 1) greedy tokens equal to SDPA's.
 
@@ -34,8 +35,8 @@ DEFAULT = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num
                num_key_value_heads=2, head_dim=64, vocab_size=8192, max_position_embeddings=4096)
 CACHES = ("dynamic", "fia", "fia_int8")
 DTYPES = ("bfloat16", "float16", "float32")
-COLUMNS = ["context", "batch", "dtype", "impl", "cache", "decode ms/step", "tok/s", "attn share", "x SDPA",
-           "prefill ms", "prefill x SDPA", "same tokens"]
+COLUMNS = ["context", "batch", "dtype", "impl", "cache", "decode ms/step", "tok/s", "attn share", "attn us/call",
+           "x SDPA", "prefill ms", "prefill x SDPA", "same tokens"]
 WARM_STEPS = 4
 
 
@@ -168,7 +169,9 @@ def measure_point(models: dict, context: int, batch: int, steps: int, repeats: i
                     res = one(kind, steps)
                     if res is not None:
                         runs[kind].append(res)
-    records = [_record(kind, runs[kind], errors.get(kind), context, batch, steps, dtype_name) for kind in kinds]
+    layers = next(iter(models.values())).config.get_text_config(decoder=True).num_hidden_layers
+    records = [_record(kind, runs[kind], errors.get(kind), context, batch, steps, dtype_name, layers)
+               for kind in kinds]
     base = next((r for r in records if (r["impl"], r["cache"]) == ("sdpa", "dynamic") and r["status"] == "ok"), None)
     for r in records:
         if r["status"] != "ok" or base is None:
@@ -182,7 +185,8 @@ def measure_point(models: dict, context: int, batch: int, steps: int, repeats: i
     return records
 
 
-def _record(kind, runs: list, error: Optional[str], context: int, batch: int, steps: int, dtype_name: str) -> dict:
+def _record(kind, runs: list, error: Optional[str], context: int, batch: int, steps: int, dtype_name: str,
+            layers: int = 1) -> dict:
     rec = {"context": context, "batch": batch, "dtype": dtype_name, "impl": kind[0], "cache": kind[1],
            "steps": steps, "status": error or "ok", "repeats": len(runs)}
     if error or not runs:
@@ -193,12 +197,13 @@ def _record(kind, runs: list, error: Optional[str], context: int, batch: int, st
     rec.update(decode_ms_per_step=step_s * 1e3, decode_tok_s=batch / step_s, prefill_ms=prefill_s * 1e3,
                prefill_tok_s=batch * context / prefill_s,
                attn_share=best["decode_attn_s"] / best["decode_s"] if best["decode_s"] > 0 else None,
+               attn_us_per_call=best["decode_attn_s"] / (max(1, steps) * max(1, layers)) * 1e6,
                prefill_attn_share=best["prefill_attn_s"] / best["prefill_s"],
                x_sdpa=None, prefill_x_sdpa=None, same_tokens_as_sdpa=None,
                decode_ms_per_step_all=[r["decode_s"] / max(1, steps) * 1e3 for r in runs],
                prefill_ms_all=[r["prefill_s"] * 1e3 for r in runs], _tokens=best["tokens"])
     if kind[0] not in ("fia", "sdpa"):
-        rec["attn_share"] = rec["prefill_attn_share"] = None          # not timed (no registry entry)
+        rec["attn_share"] = rec["prefill_attn_share"] = rec["attn_us_per_call"] = None     # not timed (no entry)
     return rec
 
 
@@ -208,10 +213,11 @@ def _num(v, fmt: str) -> str:
 
 def table_row(r: dict) -> list:
     if r["status"] != "ok":
-        return [str(r["context"]), str(r["batch"]), r["dtype"], r["impl"], r["cache"], r["status"][:60]] + [""] * 6
+        return [str(r["context"]), str(r["batch"]), r["dtype"], r["impl"], r["cache"], r["status"][:60]] + [""] * 7
     ms = r["decode_ms_per_step"]
     return [str(r["context"]), str(r["batch"]), r["dtype"], r["impl"], r["cache"],
             f"{ms:.2f}" if ms < 100 else f"{ms:.0f}", f"{r['decode_tok_s']:.1f}", _num(r["attn_share"], "{:.0%}"),
+            _num(r.get("attn_us_per_call"), "{:.0f}"),
             _num(r["x_sdpa"], "{:.2f}"), f"{r['prefill_ms']:.1f}", _num(r["prefill_x_sdpa"], "{:.2f}"),
             _num(r["same_tokens_as_sdpa"], "{:.0%}")]
 
@@ -225,7 +231,7 @@ NOTES = """\
   fia_int8 = FiaCache(quantize="int8").
 - attn share: time inside the attention function calls of the decode steps / decode time (FIA's for impl fia,
   SDPA's for impl sdpa), each call timed with time.perf_counter; the rest is the model (linears, norms, rope,
-  sampling) and the cache.
+  sampling) and the cache. attn us/call: that time per layer call (decode steps x layers calls).
 - x SDPA: SDPA's (DynamicCache) ms / this row's ms, decode per step and prefill; > 1 = faster than SDPA.
 - same tokens: fraction of the greedy tokens (batch x (steps + 1)) equal to SDPA's; bfloat16 / float16 roundings
   differ between the implementations, so a near tie can flip a token and the rest of the sequence with it.
