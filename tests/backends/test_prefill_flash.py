@@ -349,3 +349,31 @@ def test_softmax_exp_helpers():
     want = torch.from_numpy(x).to(torch.bfloat16).float().numpy()
     np.testing.assert_array_equal(r, want)
     assert d[s.argmax()] == 0 and (d <= 0).all()
+
+
+@pytest.mark.parametrize("dt", [d for d in DTYPES if d != torch.float16], ids=str)
+def test_flash_reads_strided_views_tames_v_and_reports_its_findings(dt):
+    """q, k and v read in place whatever their strides (transposed, sliced); V with values above V_SAFE is scaled
+    as backend._tame scales it, from the magnitudes the packing saw; `stats` reports the exponent, the smallest lse
+    and whether an output element was stored non-finite."""
+    from fia.backends.prefill import backend as PB
+    torch.manual_seed(11)
+    B, N, H, L, S, D = 1, 8, 2, 90, 200, 64
+    q = torch.randn(B, L, N, D).to(dt).transpose(1, 2)                 # [B, N, L, D] of a [B, L, N, D] buffer
+    k = torch.randn(B, H, S + 37, D).to(dt)[:, :, 5:S + 5]              # a window of a longer cache
+    v = torch.randn(B, S, H, D).to(dt).transpose(1, 2)
+    v[0, 1, 17, 3] = 2.0 ** 110                                         # above V_SAFE: scaled by 2^-111
+    for x in (q, k, v):
+        assert not x.is_contiguous()
+    st = {}
+    o, l = PF.flash(q, k, v, True, None, 0.125, tame=True, stats=st)
+    tv, e = PB._tame(v)
+    assert e == 111 and st["tame"] == e
+    ro, rl = _ref(q, k, tv, True, None, 0.125)
+    _check(o, l, ro, rl, "strided, tamed")
+    assert st["lse_min"] == float(l.min()) and st["bad"] is False
+    q[0, 3, 7, 5] = float("nan")                                       # a NaN row: the lse and output flagged
+    st = {}
+    o, l = PF.flash(q, k, v, True, None, 0.125, stats=st)
+    assert st["tame"] == 0 and math.isnan(st["lse_min"]) and st["bad"] is True
+    assert torch.isnan(o[0, 3, 7]).all() and not torch.isnan(o[0, 3, 8]).any()

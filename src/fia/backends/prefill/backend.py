@@ -54,13 +54,15 @@ from ..reference import batch_keys, batch_query, unless_non_finite
 _aten_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
-def _flash(q, k, v, dropout: float, is_causal: bool, attn_mask=None, scale=None):
+def _flash(q, k, v, dropout: float, is_causal: bool, attn_mask=None, scale=None, stats: Optional[dict] = None):
     """One fused-kernel call (ATen's contract, see the module doc): FIA's own kernel where it applies
-    (prefill_flash.eligible), else ATen's CPU flash kernel."""
-    v, e = _tame(v)
+    (prefill_flash.eligible; `stats` then receives its findings, prefill_flash.flash), else ATen's CPU flash
+    kernel."""
     if prefill_flash.eligible(q, k, v, attn_mask):
-        o, l = prefill_flash.flash(q, k, v, is_causal, attn_mask, scale)
-        return _untame(o, e), l
+        st = {} if stats is None else stats
+        o, l = prefill_flash.flash(q, k, v, is_causal, attn_mask, scale, tame=True, stats=st)
+        return _untame(o, st["tame"]), l
+    v, e = _tame(v)
     if is_causal and scale is not None and scale <= 0:
         # ATen fills the causal -inf before scaling (-inf * 0 = NaN, -inf * -s = +inf): fold the sign into q,
         # exact in every dtype; scale 0 is an all-zero score matrix (uniform weights)
@@ -69,7 +71,7 @@ def _flash(q, k, v, dropout: float, is_causal: bool, attn_mask=None, scale=None)
     return _untame(o, e), l
 
 
-_V_SAFE = 2.0 ** 100     # |V| below this: the kernels' sums of weights x values stay far from float32's maximum
+_V_SAFE = prefill_flash.V_SAFE
 
 
 def _tame(v: torch.Tensor):
@@ -153,9 +155,9 @@ class PrefillBackend(Backend):
 
     def launch(self, p: AttentionProblem, plan: PrefillPlan) -> BackendResult:
         if plan.one_call is not None:
-            direct = self._one_call(p, plan.one_call, plan.kernel_dtype)
+            direct = self._one_call(p, plan.one_call, plan.kernel_dtype)     # (its results checked)
             if direct is not None:
-                return unless_non_finite(p, direct)
+                return direct
         cd = p.compute_dtype
         dev = p.device
         out = torch.zeros(p.out_shape(), dtype=plan.out_dtype, device=dev)             # never computed: 0
@@ -193,10 +195,15 @@ class PrefillBackend(Backend):
         bias = None
         if p.pse is not None:
             bias = p.pse[:1, :, g.q_lo:g.q_hi, g.kv_lo:g.kv_lo + g.s2]
-        o, l = _flash(q, k.unsqueeze(0), v.unsqueeze(0), 0.0, kind == CAUSAL, attn_mask=bias, scale=p.scale)
-        if kind == CAUSAL and float(l.amin()) < _fill_threshold(g.s2):
+        st = {}
+        o, l = _flash(q, k.unsqueeze(0), v.unsqueeze(0), 0.0, kind == CAUSAL, attn_mask=bias, scale=p.scale, stats=st)
+        lmin = st["lse_min"] if st else float(l.amin())        # (the own kernel's: no pass over the lse)
+        if kind == CAUSAL and lmin < _fill_threshold(g.s2):
             return None                                        # masked keys' fill takes weight: _fill_rows
-        return BackendResult(o, l.contiguous() if p.want_lse else None)   # [1, N, S, D] (kernel strides)
+        res = BackendResult(o, l.contiguous() if p.want_lse else None)   # [1, N, S, D] (kernel strides)
+        # finite as the kernel stored it (and V not rescaled): base.non_finite's passes would find nothing
+        finite = bool(st) and st["tame"] == 0 and not st["bad"] and (not p.want_lse or lmin > _NEG_INF)
+        return res if finite else unless_non_finite(p, res)
 
     def _run_batch(self, p: AttentionProblem, b: int, g, kd, out, lse) -> None:
         s1, s2 = g.s1, g.s2
@@ -230,10 +237,10 @@ class PrefillBackend(Backend):
             # the own kernel takes the band as geometry, reads the user mask in place and takes Dv != D: one
             # call for the whole window, keys outside the band and fully user-masked tiles never computed, no
             # mask tiles, no padded head dims
-            vt, e = _tame(v)
-            o, l = prefill_flash.flash(q[None], k[None], vt[None], False, bias, p.scale, band=band,
-                                       user_mask=um)                  # [1, N, S1, Dv], [1, N, S1]
-            o = _untame(o, e)
+            st = {}
+            o, l = prefill_flash.flash(q[None], k[None], v[None], False, bias, p.scale, band=band, user_mask=um,
+                                       tame=True, stats=st)          # [1, N, S1, Dv], [1, N, S1]
+            o = _untame(o, st["tame"])
             o, l = _fill_rows(0, s1, band, s2, o[0], l[0], um, vd)
             o, l = _special_rows(p, BlockPlan(0, s1), band, s2, o, l, vmean, um is not None)
             _write(p, b, g, 0, s1, o, l, out, lse)

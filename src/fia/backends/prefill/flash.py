@@ -29,7 +29,9 @@ CPUs without AVX-512 that have AVX2, FMA and F16C (the 8-lane variant)
 """
 from __future__ import annotations
 
+import math
 import os
+import struct
 from typing import Optional
 
 import numpy as np
@@ -136,13 +138,37 @@ def _user_flat(um: Optional[torch.Tensor]):
     return _flat(um).view(torch.uint8).numpy(), np.array([um.stride(0) * es, es, 1], np.int64)
 
 
+def _in_place(x: torch.Tensor):
+    """(the elements x addresses as a 1-D NumPy view (_bits of _flat: no copy), int64 element strides of its
+    first three dims): how the kernels read q, k and v of any strides."""
+    return _bits(_flat(x)), np.array(x.stride()[:3], np.int64)
+
+
+V_SAFE = 2.0 ** 100     # |V| below this: the kernels' sums of weights x values stay far from float32's maximum
+# the magnitude bits (sign cleared) of V_SAFE and of infinity, per V dtype (float16 never comes near V_SAFE)
+_MAG = {torch.bfloat16: (0x7180, 0x7F80, 16), torch.float32: (0x71800000, 0x7F800000, 0)}
+
+
+def _tame_exponent(vmag: int, dtype: torch.dtype) -> int:
+    """The power of two V is scaled down by (0: none) from the largest magnitude bits of its values (pack_items'
+    vmag): as backend._tame decides from |V|'s maximum -- finite values above V_SAFE only."""
+    lim = _MAG.get(dtype)
+    if lim is None or not lim[0] < vmag < lim[1]:
+        return 0
+    return math.frexp(struct.unpack("<f", struct.pack("<I", vmag << lim[2]))[0])[1]
+
+
 def flash(q, k, v, is_causal: bool, mask: Optional[torch.Tensor], scale: float, out=None, lse=None,
-          band=None, user_mask=None):
+          band=None, user_mask=None, tame: bool = False, stats: Optional[dict] = None):
     """See the module doc. Call only when eligible(q, k, v, mask). out / lse: contiguous buffers to write
     (tests poison them), else allocated. band (pre, next): row i keeps only keys i - pre <= j <= i + next
     (with is_causal, next is capped at 0); keys outside are never computed. user_mask: [L, S] bool / int8 /
     uint8 / float16, nonzero = masked, read in place (user_mask_ok), the same for every entry and head;
-    tiles it masks entirely are skipped."""
+    tiles it masks entirely are skipped. q, k and v are read in place, whatever their strides.
+    tame: values of V above V_SAFE (finite) are scaled by a power of two first (backend._tame, from the magnitudes
+    the packing saw: no pass over V of its own); the output is then that of the scaled V. stats: a dict that
+    receives "tame" (the exponent, 0: none), "lse_min" (the smallest lse written, NaN if one is NaN) and "bad"
+    (an output element stored infinite or NaN)."""
     from ...cpu.threads import launch
     from .kernels import flash_items, pack_items
     Bq, N, L, D = q.shape
@@ -165,9 +191,12 @@ def flash(q, k, v, is_causal: bool, mask: Optional[torch.Tensor], scale: float, 
     else:
         kp = np.empty((Bq, H, nt, D // 2, KT), np.uint32)    # [Bq, H, nt, D/2, KT] packed key tiles
         vp = np.empty((Bq, H, nt, KT // 2, Dv), np.uint32)   # [Bq, H, nt, KT/2, Dv] packed value tiles
-    k16, v16 = _bits(k), _bits(v)
     n_pack = Bq * H * nt
-    launch(pack_items, np.arange(n_pack, dtype=np.int64), min(threads, n_pack), (k16, v16, kp, vp, S))
+    vmag = np.zeros(n_pack, np.int64)
+    _pack(pack_items, k, v, kp, vp, S, vmag, min(threads, n_pack))
+    e = 0
+    if tame and (e := _tame_exponent(int(vmag.max()), v.dtype)):
+        _pack(pack_items, k, v * 2.0 ** -e, kp, vp, S, vmag, min(threads, n_pack))
     if out is None:                                              # rows of all heads side by side, as ATen's kernel
         out = torch.empty((Bq, L, N, Dv), dtype=q.dtype).transpose(1, 2)     # [Bq, N, L, Dv] (BSND outputs: no copy)
     o_flat, o_str = _flat_out(out)
@@ -182,10 +211,23 @@ def flash(q, k, v, is_causal: bool, mask: Optional[torch.Tensor], scale: float, 
     items = np.arange(n_items, dtype=np.int64)
     if nxt < big and pre >= big:                              # causal-like: longest (latest query block) first
         items = items.reshape(Bq * H, nqb)[:, ::-1].T.reshape(-1).copy()
+    q16, qs = _in_place(q)
+    istat = np.empty((n_items, 2), np.float32)
     launch(flash_items, items, min(threads, n_items),
-            (_bits(q), kp, vp, o_flat, o_str, lse.numpy(), mk, ms, *_user_flat(user_mask), S, pre, nxt,
-             float(scale), QB, f16, wide))
+            (q16, np.array([N, L, D, *qs], np.int64), kp, vp, o_flat, o_str, lse.numpy(), mk, ms,
+             *_user_flat(user_mask), S, pre, nxt, float(scale), QB, f16, wide, istat))
+    if stats is not None:
+        stats.update(tame=e, lse_min=float(istat[:, 0].min()), bad=bool(istat[:, 1].any()))
     return out, lse
+
+
+def _pack(pack_items, k, v, kp, vp, S: int, vmag: np.ndarray, threads: int) -> None:
+    """pack_items over k and v read in place (vmag: each tile's largest |V| bits)."""
+    from ...cpu.threads import launch
+    k16, ks = _in_place(k)
+    v16, vs = _in_place(v)
+    vbits = v16 if v16.dtype == np.uint16 else v16.view(np.uint32)          # (float32: its bits)
+    launch(pack_items, np.arange(vmag.shape[0], dtype=np.int64), threads, (k16, v16, ks, vs, kp, vp, S, vbits, vmag))
 
 
 def _pairs(L: int, S: int, pre: int, nxt: int) -> int:

@@ -21,8 +21,8 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
-from ...cpu.numerics import (FM, bf16_to_f32, claim, f32_to_bf16_bits, f32_to_half_bits, fexp, fexp2, fp16_to_f32,
-                             round_bf16_value)
+from ...cpu.numerics import (FM, bf16_to_f32, claim, f32_as_u32, f32_to_bf16_bits, f32_to_half_bits, fexp, fexp2,
+                             fp16_to_f32, round_bf16_value)
 from ...cpu import kernel_cache
 from ...cpu.simd import max_f32, mul_exact, sub_exact
 from ...cpu import gemm, gemm_narrow
@@ -51,31 +51,48 @@ def _split(it, H, n):
 
 
 @njit(nogil=True, cache=True)
-def pack_items(items, counter, k16, v16, kp, vp, S):
+def pack_items(items, counter, k16, v16, ks, vs, kp, vp, S, vbits, vmag):
     """Pack the K and V tiles of (b, h, tile t) items (it = (b * H + h) * nt + t), taken through `counter`.
-    k16, v16: [Bq, H, S, D] (any strides), uint16 bits of bf16 / float16 or float32; keys >= S pack as zeros.
+    k16, v16: the keys' / values' elements (1-D, read in place), uint16 bits of bf16 / float16 or float32; element
+    (b, h, key, d) at ks[0] * b + ks[1] * h + ks[2] * key + d (vs: V's); keys >= S pack as zeros.
     bf16 (kp uint32 [Bq, H, nt, D / 2, KT], vp uint32 [Bq, H, nt, KT / 2, Dv]): kp[b, h, t, p, c] =
     (K[2p], K[2p + 1]) of key t * KT + c, vp[b, h, t, c2, d] = (V[key 2 c2, d], V[key 2 c2 + 1, d]).
     float16 / float32 (kp [Bq, H, nt, D, KT], vp [Bq, H, nt, KT, Dv], K's element type): the key tile
-    transposed, the value rows as they are."""
+    transposed, the value rows as they are. vmag[it]: the largest magnitude bits (sign cleared) of the tile's
+    values, read from vbits (V's elements as uint16 / uint32: its bits; infinity and NaN above every finite
+    value) -- the caller's check for values the kernels' sums would overflow (backend._tame) without a pass
+    over V of its own."""
     H, nt = kp.shape[1], kp.shape[2]
     while True:
         it = claim(items, counter)
         if it < 0:
             break
         b, h, t = _split(it, H, nt)
-        _pack_tile(k16, v16, kp, vp, S, b, h, t)
+        _pack_tile(k16, v16, ks, vs, kp, vp, S, b, h, t)
+        vmag[it] = _tile_magnitude(vbits, vs, S, b, h, t * kp.shape[4], vp.shape[4], kp.shape[4])
 
 
-def _pack_tile(k16, v16, kp, vp, S, b, h, t):
+@njit(cache=True, inline="always")
+def _tile_magnitude(vbits, vs, S, b, h, k0, Dv, KT):
+    """The largest |V| of keys [k0, k0 + KT) as bits with the sign cleared (uint16 / uint32 elements)."""
+    mask = np.uint32(0x7FFF) if vbits.itemsize == 2 else np.uint32(0x7FFFFFFF)
+    top = np.uint32(0)
+    for key in range(k0, min(k0 + KT, S)):
+        base = np.uint64(vs[0] * b + vs[1] * h + vs[2] * key)          # (unsigned: no wraparound select)
+        for d in range(np.uint64(Dv)):
+            top = max(top, np.uint32(vbits[base + d]) & mask)
+    return np.int64(top)
+
+
+def _pack_tile(k16, v16, ks, vs, kp, vp, S, b, h, t):
     """One tile of pack_items (the packing follows kp's dtype)."""
 
 
 @overload(_pack_tile)
-def _pack_tile_impl(k16, v16, kp, vp, S, b, h, t):
+def _pack_tile_impl(k16, v16, ks, vs, kp, vp, S, b, h, t):
     if kp.dtype == types.uint32:
-        return lambda k16, v16, kp, vp, S, b, h, t: _pack_bf16(k16, v16, kp, vp, S, b, h, t)
-    return lambda k16, v16, kp, vp, S, b, h, t: _pack_rows(k16, v16, kp, vp, S, b, h, t)
+        return lambda k16, v16, ks, vs, kp, vp, S, b, h, t: _pack_bf16(k16, v16, ks, vs, kp, vp, S, b, h, t)
+    return lambda k16, v16, ks, vs, kp, vp, S, b, h, t: _pack_rows(k16, v16, ks, vs, kp, vp, S, b, h, t)
 
 
 @njit(cache=True, inline="always")
@@ -85,41 +102,47 @@ def _pair(lo, hi):
 
 
 @njit(cache=True)
-def _pack_bf16(k16, v16, kp, vp, S, b, h, t):
+def _pack_bf16(k16, v16, ks, vs, kp, vp, S, b, h, t):
     D2, KT, Dv = kp.shape[3], kp.shape[4], vp.shape[4]
     k0 = t * KT
+    kb, vb = ks[0] * b + ks[1] * h, vs[0] * b + vs[1] * h
     for c in range(KT):
         key = k0 + c
         if key < S:
-            for p in range(D2):
-                kp[b, h, t, p, c] = _pair(k16[b, h, key, 2 * p], k16[b, h, key, 2 * p + 1])
+            r = np.uint64(kb + ks[2] * key)                 # (unsigned indices: no wraparound select)
+            for p in range(np.uint64(D2)):
+                kp[b, h, t, p, c] = _pair(k16[r + np.uint64(2) * p], k16[r + np.uint64(2) * p + np.uint64(1)])
         else:
             for p in range(D2):
                 kp[b, h, t, p, c] = np.uint32(0)
     for c2 in range(KT // 2):
         ka = k0 + 2 * c2
         if ka + 1 < S:
-            for d in range(Dv):
-                vp[b, h, t, c2, d] = _pair(v16[b, h, ka, d], v16[b, h, ka + 1, d])
+            r, r2 = np.uint64(vb + vs[2] * ka), np.uint64(vb + vs[2] * (ka + 1))
+            for d in range(np.uint64(Dv)):
+                vp[b, h, t, c2, d] = _pair(v16[r + d], v16[r2 + d])
         elif ka < S:
-            for d in range(Dv):
-                vp[b, h, t, c2, d] = np.uint32(v16[b, h, ka, d])
+            r = np.uint64(vb + vs[2] * ka)
+            for d in range(np.uint64(Dv)):
+                vp[b, h, t, c2, d] = np.uint32(v16[r + d])
         else:
             for d in range(Dv):
                 vp[b, h, t, c2, d] = np.uint32(0)
 
 
 @njit(cache=True)
-def _pack_rows(k16, v16, kp, vp, S, b, h, t):
+def _pack_rows(k16, v16, ks, vs, kp, vp, S, b, h, t):
     D, KT, Dv = kp.shape[3], kp.shape[4], vp.shape[4]
     k0 = t * KT
+    kb, vb = ks[0] * b + ks[1] * h, vs[0] * b + vs[1] * h
     for c in range(KT):
         key = k0 + c
         if key < S:
-            for d in range(D):
-                kp[b, h, t, d, c] = k16[b, h, key, d]
-            for d in range(Dv):
-                vp[b, h, t, c, d] = v16[b, h, key, d]
+            rk, rv = np.uint64(kb + ks[2] * key), np.uint64(vb + vs[2] * key)     # (unsigned: no wraparound)
+            for d in range(np.uint64(D)):
+                kp[b, h, t, d, c] = k16[rk + d]
+            for d in range(np.uint64(Dv)):
+                vp[b, h, t, c, d] = v16[rv + d]
         else:
             for d in range(D):
                 kp[b, h, t, d, c] = 0
@@ -231,6 +254,18 @@ def _outv_impl(out, x, f16):
     if isinstance(out.dtype, types.Float):
         return lambda out, x, f16: x
     return lambda out, x, f16: f32_to_half_bits(x) if f16 else f32_to_bf16_bits(x)
+
+
+def _inf_from(out, f16):
+    """The smallest float32 magnitude bits that the output stores as infinity (NaN: above): float32's infinity,
+    or what rounds to the float16 / bf16 infinity (to nearest even: 65520, and 0x7F7F8000's tie)."""
+
+
+@overload(_inf_from)
+def _inf_from_impl(out, f16):
+    if isinstance(out.dtype, types.Float):
+        return lambda out, f16: np.uint32(0x7F800000)
+    return lambda out, f16: np.uint32(0x477FF000) if f16 else np.uint32(0x7F7F8000)
 
 
 @njit(fastmath=FM, cache=True, inline="always")
@@ -350,9 +385,12 @@ def _softmax_tile(sc, pb, o, m, l, b, n0, RB, i0, nq, QB, k0, c0, c1, nk, pre, n
 
 
 @njit(nogil=True, cache=True)
-def flash_items(items, counter, q16, kp, vp, out16, ostr, lse, mask, ms, ub, us, S, pre, nxt, scale, QB, f16, wide):
+def flash_items(items, counter, q16, qg, kp, vp, out16, ostr, lse, mask, ms, ub, us, S, pre, nxt, scale, QB, f16, wide,
+                istat):
     """Items it = (b * H + h) * nqb + qb (see the module doc), taken through the atomic `counter`.
-    q16: [Bq, N, L, D] (any strides): uint16 bits of bf16, of float16 when f16, or float32 (then f16 is set);
+    q16: the query's elements (1-D, read in place), uint16 bits of bf16, of float16 when f16, or float32 (then f16
+    is set); qg int64 [6]: N, L, D, then the element strides of its batch / head / row dims (element (b, n, i, d) at
+    qg[3] * b + qg[4] * n + qg[5] * i + d);
     wide: float32 query rows and probabilities (all but bf16 with vdpbf16ps; bf16 on 8-lane CPUs: the query
     widened, the probabilities rounded to bf16 values); kp / vp: pack_items' tiles; out16: the output's elements (1-D) in
     q16's element type, element (b, n, i, d) at ostr[0] * b + ostr[1] * n + ostr[2] * i + d; lse: [Bq, N, L] float32; mask: an additive mask in q16's element type, element
@@ -362,27 +400,29 @@ def flash_items(items, counter, q16, kp, vp, out16, ostr, lse, mask, ms, ub, us,
     ub / us: a user mask shared by all entries and heads (bytes of element (i, j) at us[0] * i + us[1] * j,
     us[1] = 1: nonzero masks, 2: float16 nonzero masks; used when us[2] != 0). Key tiles no row of an item
     keeps are skipped (band, then user mask), and so are the 64-column blocks at either side of a tile
-    that no row's band keeps."""
+    that no row's band keeps. istat float32 [items, 2]: per item, the smallest lse it wrote (NaN when one is
+    NaN) and 1 when an output element it stored is infinite or NaN, else 0 (the caller's checks of the results,
+    without passes over them)."""
     H, KT = kp.shape[1], kp.shape[4]
-    N, D = q16.shape[1], q16.shape[3]
+    N, D = qg[0], qg[2]
     RP = ((N // H) * QB + ROWS - 1) // ROWS * ROWS
     if wide:    # float32 query rows and probabilities (the GEMMs widen float16 / bf16 K / V; the probabilities
         #         overwrite the scores: _prob_scratch, pb unused)
-        _items(items, counter, q16, kp, vp, out16, ostr, lse, mask, ms, ub, us, S, pre, nxt, scale, QB,
-               np.zeros((RP, D), np.float32), np.zeros((1, 1), np.float32), f16, True)
+        _items(items, counter, q16, qg, kp, vp, out16, ostr, lse, mask, ms, ub, us, S, pre, nxt, scale, QB,
+               np.zeros((RP, D), np.float32), np.zeros((1, 1), np.float32), f16, True, istat)
     else:       # bf16 bits of the query rows and probabilities (vdpbf16ps operands)
-        _items(items, counter, q16, kp, vp, out16, ostr, lse, mask, ms, ub, us, S, pre, nxt, scale, QB,
-               np.zeros((RP, D), np.uint16), np.zeros((RP, KT), np.uint16), False, False)
+        _items(items, counter, q16, qg, kp, vp, out16, ostr, lse, mask, ms, ub, us, S, pre, nxt, scale, QB,
+               np.zeros((RP, D), np.uint16), np.zeros((RP, KT), np.uint16), False, False, istat)
 
 
 @njit(nogil=True, cache=True)
-def _items(items, counter, q16, kp, vp, out16, ostr, lse, mask, ms, ub, us, S, pre, nxt, scale, QB, qs, pb, f16,
-           wide):
+def _items(items, counter, q16, qg, kp, vp, out16, ostr, lse, mask, ms, ub, us, S, pre, nxt, scale, QB, qs, pb, f16,
+           wide, istat):
     """flash_items' loop with its query-row scratch qs [RP, D] and probability scratch pb [RP, KT] (their
     dtypes choose the GEMMs: _qk, _pv, _pval; float32 probabilities overwrite the scores: _prob_scratch)."""
     H, KT = kp.shape[1], kp.shape[4]
     Dv = vp.shape[4]
-    N, L, D = q16.shape[1], q16.shape[2], q16.shape[3]
+    N, L, D = qg[0], qg[1], qg[2]
     rnd = wide and not f16                        # bf16 with float32 probabilities: rounded to bf16 values
     G = N // H
     nqb = (L + QB - 1) // QB
@@ -403,12 +443,13 @@ def _items(items, counter, q16, kp, vp, out16, ostr, lse, mask, ms, ub, us, S, p
         for g in range(G):
             for ii in range(QB):
                 r = g * QB + ii
+                qb0 = np.uint64(qg[3] * b + qg[4] * (h * G + g) + qg[5] * (i0 + ii))     # (unsigned: see rows)
                 if ii < nq and wide:
-                    for d in range(D):
-                        qs[r, d] = _val(q16[b, h * G + g, i0 + ii, d], f16)
+                    for d in range(np.uint64(D)):
+                        qs[r, d] = _val(q16[qb0 + d], f16)
                 elif ii < nq:
-                    for d in range(D):
-                        qs[r, d] = q16[b, h * G + g, i0 + ii, d]
+                    for d in range(np.uint64(D)):
+                        qs[r, d] = q16[qb0 + d]
                 else:
                     for d in range(D):
                         qs[r, d] = 0
@@ -429,6 +470,8 @@ def _items(items, counter, q16, kp, vp, out16, ostr, lse, mask, ms, ub, us, S, p
             _softmax_tile(sc, pb, o, m, l, b, h * G, RB, i0, nq, QB, k0, c0, c1, nk, pre, nxt, sf, mask, ms, f16,
                           ub, us, Dv, rnd)
             _pv(_prob_scratch(sc, pb), vp[b, h, t], c0, c1, o, RP, KT, Dv)
+        lmin = np.float32(np.inf)
+        bad = False
         for g in range(G):
             n = h * G + g
             for ii in range(nq):
@@ -438,8 +481,20 @@ def _items(items, counter, q16, kp, vp, out16, ostr, lse, mask, ms, ub, us, S, p
                     for d in range(Dv):
                         out16[ob + d] = 0
                     lse[b, n, i0 + ii] = np.float32(-np.inf)
+                    lmin = np.float32(-np.inf) if lmin == lmin else lmin
                     continue
                 inv = np.float32(1.0) / l[r]                 # l NaN: a NaN row, as the products give
+                top = np.uint32(0)                           # the row's largest magnitude bits
                 for d in range(Dv):
-                    out16[ob + d] = _outv(out16, o[r, d] * inv, f16)
-                lse[b, n, i0 + ii] = m[r] + np.log(l[r])
+                    y = o[r, d] * inv
+                    out16[ob + d] = _outv(out16, y, f16)
+                    top = max(top, f32_as_u32(y) & np.uint32(0x7FFFFFFF))
+                bad |= top >= _inf_from(out16, f16)          # stored as infinity or NaN
+                x = m[r] + np.log(l[r])
+                lse[b, n, i0 + ii] = x
+                if (f32_as_u32(x) & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+                    lmin = x                                 # NaN: stays
+                elif lmin == lmin and x < lmin:
+                    lmin = x
+        istat[it, 0] = lmin
+        istat[it, 1] = np.float32(1.0) if bad else np.float32(0.0)
