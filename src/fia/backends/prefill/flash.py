@@ -32,11 +32,12 @@ from __future__ import annotations
 import math
 import os
 import struct
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
 
+from ... import caches
 from ...cpu.simd import target_has
 from ...cpu.fma import NARROW
 from ...cpu.gemm import F16C, HAS_DP
@@ -138,12 +139,6 @@ def _user_flat(um: Optional[torch.Tensor]):
     return _flat(um).view(torch.uint8).numpy(), np.array([um.stride(0) * es, es, 1], np.int64)
 
 
-def _in_place(x: torch.Tensor):
-    """(the elements x addresses as a 1-D NumPy view (_bits of _flat: no copy), int64 element strides of its
-    first three dims): how the kernels read q, k and v of any strides."""
-    return _bits(_flat(x)), np.array(x.stride()[:3], np.int64)
-
-
 V_SAFE = 2.0 ** 100     # |V| below this: the kernels' sums of weights x values stay far from float32's maximum
 # the magnitude bits (sign cleared) of V_SAFE and of infinity, per V dtype (float16 never comes near V_SAFE)
 _MAG = {torch.bfloat16: (0x7180, 0x7F80, 16), torch.float32: (0x71800000, 0x7F800000, 0)}
@@ -171,6 +166,68 @@ def flash(q, k, v, is_causal: bool, mask: Optional[torch.Tensor], scale: float, 
     (an output element stored infinite or NaN)."""
     from ...cpu.threads import launch
     from .kernels import flash_items, pack_items
+    lc = _launch_of(q, k, v, is_causal, band)
+    Bq, N, L, D, S, Dv = lc.dims
+    kp, vp = np.empty(*lc.kp), np.empty(*lc.vp)              # packed K / V tiles (see kernels.pack_items)
+    vmag = np.empty(lc.packs.shape[0], np.int64)
+    _pack(pack_items, lc, k, v, lc.vs, kp, vp, vmag)
+    e = 0
+    if tame and (e := _tame_exponent(int(vmag.max()), v.dtype)):
+        v = v * 2.0 ** -e                                     # (a new tensor: its own strides)
+        _pack(pack_items, lc, k, v, np.array(v.stride()[:3], np.int64), kp, vp, vmag)
+    if out is None:                                              # rows of all heads side by side, as ATen's kernel
+        out = torch.empty(Bq, L, N, Dv, dtype=q.dtype).transpose(1, 2)     # [Bq, N, L, Dv] (BSND outputs: no copy)
+    o_flat, o_str = _flat_out(out)
+    if lse is None:
+        lse = torch.empty(Bq, N, L, dtype=torch.float32)          # [Bq, N, L]
+    mk, ms = lc.no_mask if mask is None else _mask_flat(mask, (Bq, N, L, S), q.dtype)
+    if user_mask is not None and tuple(user_mask.shape) != (L, S):
+        raise ValueError(f"user_mask: expected shape {(L, S)}, got {tuple(user_mask.shape)}")
+    istat = np.empty((lc.items.shape[0], 2), np.float32)
+    launch(flash_items, lc.items, lc.threads,
+           (_bits(_flat(q)), lc.qg, kp, vp, o_flat, o_str, lse.numpy(), mk, ms, *_user_flat(user_mask), S, lc.pre,
+            lc.nxt, float(scale), lc.QB, lc.f16, lc.wide, istat))
+    if stats is not None:
+        stats.update(tame=e, lse_min=float(istat[:, 0].min()), bad=bool(istat[:, 1].any()))
+    return out, lse
+
+
+class _Launch(NamedTuple):
+    """What flash() derives from its arguments' metadata alone (_launch_of: kept per metadata). Its arrays are
+    only read by the kernels."""
+    dims: tuple             # Bq, N, L, D, S, Dv
+    kp: tuple               # (shape, dtype) of the packed key tiles
+    vp: tuple               # ... of the value tiles
+    packs: np.ndarray       # pack_items' items
+    pack_threads: int
+    items: np.ndarray       # flash_items' items (causal-like: the longest first)
+    threads: int
+    qg: np.ndarray          # N, L, D, the query's element strides (kernels.flash_items)
+    ks: np.ndarray          # the keys' / values' element strides (batch, head, position)
+    vs: np.ndarray
+    pre: int
+    nxt: int
+    QB: int
+    f16: bool
+    wide: bool
+    no_mask: tuple          # _mask_flat(None, ...): the dummies of a call without an additive mask
+
+
+_LAUNCHES = caches.BoundedCache("prefill.flash.launches", 64)
+
+
+def _launch_of(q, k, v, is_causal: bool, band) -> _Launch:
+    """flash()'s launch for these tensors' metadata: ~90 us of Python per call on a small call (S = 32) before it
+    was kept; the tuning constants read here are part of the key (tests set them)."""
+    key = (q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), is_causal, band,
+           torch.get_num_threads(), ROWS_PER_ITEM, PARALLEL_MIN_FLOPS, KT, NARROW, HAS_DP)
+    lc = _LAUNCHES.get(key)
+    if lc is None:
+        lc = _LAUNCHES.put(key, _launch(q, k, v, is_causal, band))
+    return lc
+
+
+def _launch(q, k, v, is_causal: bool, band) -> _Launch:
     Bq, N, L, D = q.shape
     H, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = N // H
@@ -186,48 +243,30 @@ def flash(q, k, v, is_causal: bool, mask: Optional[torch.Tensor], scale: float, 
         threads = 1
     if f16:
         et = np.float32 if q.dtype == torch.float32 else np.uint16
-        kp = np.empty((Bq, H, nt, D, KT), et)                # [Bq, H, nt, D, KT] key tiles transposed
-        vp = np.empty((Bq, H, nt, KT, Dv), et)               # [Bq, H, nt, KT, Dv] value tiles
+        kp = ((Bq, H, nt, D, KT), et)                        # [Bq, H, nt, D, KT] key tiles transposed
+        vp = ((Bq, H, nt, KT, Dv), et)                       # [Bq, H, nt, KT, Dv] value tiles
     else:
-        kp = np.empty((Bq, H, nt, D // 2, KT), np.uint32)    # [Bq, H, nt, D/2, KT] packed key tiles
-        vp = np.empty((Bq, H, nt, KT // 2, Dv), np.uint32)   # [Bq, H, nt, KT/2, Dv] packed value tiles
+        kp = ((Bq, H, nt, D // 2, KT), np.uint32)            # [Bq, H, nt, D/2, KT] packed key tiles
+        vp = ((Bq, H, nt, KT // 2, Dv), np.uint32)           # [Bq, H, nt, KT/2, Dv] packed value tiles
     n_pack = Bq * H * nt
-    vmag = np.zeros(n_pack, np.int64)
-    _pack(pack_items, k, v, kp, vp, S, vmag, min(threads, n_pack))
-    e = 0
-    if tame and (e := _tame_exponent(int(vmag.max()), v.dtype)):
-        _pack(pack_items, k, v * 2.0 ** -e, kp, vp, S, vmag, min(threads, n_pack))
-    if out is None:                                              # rows of all heads side by side, as ATen's kernel
-        out = torch.empty((Bq, L, N, Dv), dtype=q.dtype).transpose(1, 2)     # [Bq, N, L, Dv] (BSND outputs: no copy)
-    o_flat, o_str = _flat_out(out)
-    if lse is None:
-        lse = torch.empty((Bq, N, L), dtype=torch.float32)        # [Bq, N, L]
-    mk, ms = _mask_flat(mask, (Bq, N, L, S), q.dtype)
-    if user_mask is not None and tuple(user_mask.shape) != (L, S):
-        raise ValueError(f"user_mask: expected shape {(L, S)}, got {tuple(user_mask.shape)}")
     QB = max(1, ROWS_PER_ITEM // G)
     nqb = (L + QB - 1) // QB
     n_items = Bq * H * nqb
     items = np.arange(n_items, dtype=np.int64)
     if nxt < big and pre >= big:                              # causal-like: longest (latest query block) first
         items = items.reshape(Bq * H, nqb)[:, ::-1].T.reshape(-1).copy()
-    q16, qs = _in_place(q)
-    istat = np.empty((n_items, 2), np.float32)
-    launch(flash_items, items, min(threads, n_items),
-            (q16, np.array([N, L, D, *qs], np.int64), kp, vp, o_flat, o_str, lse.numpy(), mk, ms,
-             *_user_flat(user_mask), S, pre, nxt, float(scale), QB, f16, wide, istat))
-    if stats is not None:
-        stats.update(tame=e, lse_min=float(istat[:, 0].min()), bad=bool(istat[:, 1].any()))
-    return out, lse
+    strides = lambda x: np.array(x.stride()[:3], np.int64)   # noqa: E731
+    return _Launch((Bq, N, L, D, S, Dv), kp, vp, np.arange(n_pack, dtype=np.int64), min(threads, n_pack), items,
+                   min(threads, n_items), np.array([N, L, D, *q.stride()[:3]], np.int64), strides(k), strides(v),
+                   pre, nxt, QB, f16, wide, _mask_flat(None, (Bq, N, L, S), q.dtype))
 
 
-def _pack(pack_items, k, v, kp, vp, S: int, vmag: np.ndarray, threads: int) -> None:
-    """pack_items over k and v read in place (vmag: each tile's largest |V| bits)."""
+def _pack(pack_items, lc: _Launch, k, v, vs: np.ndarray, kp, vp, vmag: np.ndarray) -> None:
+    """pack_items over k and v (V's element strides vs) read in place (vmag: each tile's largest |V| bits)."""
     from ...cpu.threads import launch
-    k16, ks = _in_place(k)
-    v16, vs = _in_place(v)
+    k16, v16 = _bits(_flat(k)), _bits(_flat(v))
     vbits = v16 if v16.dtype == np.uint16 else v16.view(np.uint32)          # (float32: its bits)
-    launch(pack_items, np.arange(vmag.shape[0], dtype=np.int64), threads, (k16, v16, ks, vs, kp, vp, S, vbits, vmag))
+    launch(pack_items, lc.packs, lc.pack_threads, (k16, v16, lc.ks, vs, kp, vp, lc.dims[4], vbits, vmag))
 
 
 def _pairs(L: int, S: int, pre: int, nxt: int) -> int:
