@@ -377,3 +377,10 @@ def test_flash_reads_strided_views_tames_v_and_reports_its_findings(dt):
     o, l = PF.flash(q, k, v, True, None, 0.125, stats=st)
     assert st["tame"] == 0 and math.isnan(st["lse_min"]) and st["bad"] is True
     assert torch.isnan(o[0, 3, 7]).all() and not torch.isnan(o[0, 3, 8]).any()
+    q[0, 3, 7, 5] = 0.5
+    for qx, kx, vx in ((q, k, torch.randn(B, H, S, 2 * D).to(dt)[..., ::2]),        # a strided head dim: copied
+                       (torch.randn(B, N, L, 3 * D).to(dt)[..., D::2][..., :D], k, v)):
+        assert vx.stride(-1) != 1 or qx.stride(-1) != 1
+        o, l = PF.flash(qx, kx, vx, False, None, 0.125)
+        ro, rl = _ref(qx, kx, vx, False, None, 0.125)
+        _check(o, l, ro, rl, "strided head dim")

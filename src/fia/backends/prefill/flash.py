@@ -86,8 +86,9 @@ def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[t
 
 def _bits(x: torch.Tensor) -> np.ndarray:
     """NumPy view of a tensor's elements: uint16 bits of bf16 / float16, float32 as is. Always C-contiguous (a
-    strided view is copied first, O(its elements), against the kernel's O(L x S) work): the kernels are compiled
-    for one layout per dtype, which `fia.warmup` builds, so no call compiles a strided variant inside the call."""
+    strided view is copied first): the kernels are compiled for one layout per dtype, which `fia.warmup` builds,
+    so no call compiles a strided variant inside the call. q, k and v come as _flat views (no copy) with their
+    strides beside them; the output and masks as they are."""
     x = x.contiguous()
     if x.dtype == torch.float32:
         return x.numpy()
@@ -117,7 +118,7 @@ def _mask_flat(mask: Optional[torch.Tensor], shape, dtype: torch.dtype):
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """The 1-D unit-stride view from t's first element through the last element t addresses (the kernels
     index it with t's own strides)."""
-    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
     return torch.as_strided(t, (span,), (1,), t.storage_offset())
 
 
@@ -166,6 +167,7 @@ def flash(q, k, v, is_causal: bool, mask: Optional[torch.Tensor], scale: float, 
     (an output element stored infinite or NaN)."""
     from ...cpu.threads import launch
     from .kernels import flash_items, pack_items
+    q, k, v = _unit_rows(q), _unit_rows(k), _unit_rows(v)
     lc = _launch_of(q, k, v, is_causal, band)
     Bq, N, L, D, S, Dv = lc.dims
     kp, vp = np.empty(*lc.kp), np.empty(*lc.vp)              # packed K / V tiles (see kernels.pack_items)
@@ -190,6 +192,12 @@ def flash(q, k, v, is_causal: bool, mask: Optional[torch.Tensor], scale: float, 
     if stats is not None:
         stats.update(tame=e, lse_min=float(istat[:, 0].min()), bad=bool(istat[:, 1].any()))
     return out, lse
+
+
+def _unit_rows(x: torch.Tensor) -> torch.Tensor:
+    """x, or a contiguous copy where its last dim is strided: the kernels read each row's elements side by side
+    (any strides elsewhere are read in place)."""
+    return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
 
 
 class _Launch(NamedTuple):
