@@ -46,6 +46,7 @@ def tiles(request, monkeypatch):
         monkeypatch.setattr(prefill_flash, "KT", 64)               # own kernel: many tiles, ragged items
         monkeypatch.setattr(prefill_flash, "ROWS_PER_ITEM", 5)
     monkeypatch.setattr(prefill_flash, "PARALLEL_MIN_FLOPS", 0)     # the suite's small calls on every thread
+    monkeypatch.setattr(prefill_flash, "SMALL_ATEN_POSITIONS", 0)   # ... on the own kernel ("aten": ATen's)
     if prefill_flash.HAS_DP and os.environ.get("FIA_PREFILL_OWN", "") != "0":
         # the own bf16 kernel also where it is not the default (CPUs with AMX: ATen's kernel, the "aten" tiles)
         monkeypatch.setattr(prefill_flash, "ENABLED", True)

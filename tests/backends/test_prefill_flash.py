@@ -384,3 +384,24 @@ def test_flash_reads_strided_views_tames_v_and_reports_its_findings(dt):
         o, l = PF.flash(qx, kx, vx, False, None, 0.125)
         ro, rl = _ref(qx, kx, vx, False, None, 0.125)
         _check(o, l, ro, rl, "strided head dim")
+
+
+@pytest.mark.skipif(not (BF16_RUNS and PF.HAS_DP), reason="AVX512-BF16 and the own bf16 kernel")
+@pytest.mark.parametrize("S,own", [(48, False), (64, False), (65, True), (200, True)])
+def test_small_bf16_calls_take_aten_s_kernel(S, own, monkeypatch):
+    """A whole bf16 call of at most SMALL_ATEN_POSITIONS positions per head runs on ATen's kernel (faster there on
+    AVX512-BF16 CPUs), larger ones on the own kernel; both give the float64 reference's numbers."""
+    import fia
+    monkeypatch.setattr(PF, "ENABLED", True)
+    ran = []
+    real = PF.flash
+    monkeypatch.setattr(PF, "flash", lambda *a, **k: ran.append(1) or real(*a, **k))
+    torch.manual_seed(S)
+    q, k, v = torch.randn(1, S, 8, 64).bfloat16().transpose(1, 2), *(torch.randn(1, 2, S, 64).bfloat16() for _ in "kv")
+    tmpl = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), 1)
+    with fia.use_backend("prefill"):
+        o, l = fia.npu_fused_infer_attention_score(q, k, v, num_heads=8, num_key_value_heads=2, input_layout="BNSD",
+                                                   scale=0.125, sparse_mode=3, atten_mask=tmpl, softmax_lse_flag=True)
+    assert bool(ran) == own, S
+    ro, rl = _ref(q, k, v, True, None, 0.125)
+    _check(o, l[..., 0], ro, rl, f"S = {S}")

@@ -54,11 +54,12 @@ from ..reference import batch_keys, batch_query, unless_non_finite
 _aten_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
-def _flash(q, k, v, dropout: float, is_causal: bool, attn_mask=None, scale=None, stats: Optional[dict] = None):
+def _flash(q, k, v, dropout: float, is_causal: bool, attn_mask=None, scale=None, stats: Optional[dict] = None,
+           small_aten: bool = False):
     """One fused-kernel call (ATen's contract, see the module doc): FIA's own kernel where it applies
     (prefill_flash.eligible; `stats` then receives its findings, prefill_flash.flash), else ATen's CPU flash
-    kernel."""
-    if prefill_flash.eligible(q, k, v, attn_mask):
+    kernel -- also, with `small_aten`, for the small calls it runs faster (prefill_flash.small_for_aten)."""
+    if prefill_flash.eligible(q, k, v, attn_mask) and not (small_aten and prefill_flash.small_for_aten(q, k)):
         st = {} if stats is None else stats
         o, l = prefill_flash.flash(q, k, v, is_causal, attn_mask, scale, tame=True, stats=st)
         return _untame(o, st["tame"]), l
@@ -196,7 +197,8 @@ class PrefillBackend(Backend):
         if p.pse is not None:
             bias = p.pse[:1, :, g.q_lo:g.q_hi, g.kv_lo:g.kv_lo + g.s2]
         st = {}
-        o, l = _flash(q, k.unsqueeze(0), v.unsqueeze(0), 0.0, kind == CAUSAL, attn_mask=bias, scale=p.scale, stats=st)
+        o, l = _flash(q, k.unsqueeze(0), v.unsqueeze(0), 0.0, kind == CAUSAL, attn_mask=bias, scale=p.scale, stats=st,
+                      small_aten=True)
         lmin = st["lse_min"] if st else float(l.amin())        # (the own kernel's: no pass over the lse)
         if kind == CAUSAL and lmin < _fill_threshold(g.s2):
             return None                                        # masked keys' fill takes weight: _fill_rows

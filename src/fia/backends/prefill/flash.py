@@ -64,6 +64,19 @@ ENABLED_F32 = {"0": False, "1": True}.get(_MODE, target_has("avx512f") or AVX2)
 ENABLED_FOR = {torch.bfloat16: lambda: ENABLED, torch.float16: lambda: ENABLED_F16, torch.float32: lambda: ENABLED_F32}
 
 
+# A bf16 call of at most this many (query, key) positions per head runs faster on ATen's kernel where the CPU has
+# AVX512-BF16 (ATen's bf16 GEMMs are native there): the own kernel's items compute 24 positions x G heads and
+# 64-key blocks whatever the call's size. Whole calls, 2-core Zen 4, alternating, own / ATen: L = S = 32 1.44-1.77,
+# 64 1.34-1.53, 96 1.12-1.15, 128 0.67-1.24 (8 / 2 x 64 and 32 / 8 x 128; float16: 1.03-1.05 at 32-64, kept own).
+# Callers opt in (backend._one_call: whole causal / unmasked calls).
+SMALL_ATEN_POSITIONS = 64 * 64
+
+
+def small_for_aten(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether ATen's kernel runs this whole call faster (SMALL_ATEN_POSITIONS): bf16 on AVX512-BF16 CPUs."""
+    return q.dtype == torch.bfloat16 and HAS_DP and q.shape[-2] * k.shape[-2] <= SMALL_ATEN_POSITIONS
+
+
 def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> bool:
     """Whether flash() computes this call (else the caller uses ATen's kernel)."""
     dt = q.dtype
