@@ -403,5 +403,9 @@ def test_small_bf16_calls_take_aten_s_kernel(S, own, monkeypatch):
         o, l = fia.npu_fused_infer_attention_score(q, k, v, num_heads=8, num_key_value_heads=2, input_layout="BNSD",
                                                    scale=0.125, sparse_mode=3, atten_mask=tmpl, softmax_lse_flag=True)
     assert bool(ran) == own, S
+    with fia.use_backend("prefill"):
+        said = str(fia.explain(q, k, v, num_heads=8, num_key_value_heads=2, input_layout="BNSD", scale=0.125,
+                               sparse_mode=3, atten_mask=tmpl))
+    assert ("FIA's own flash kernel" in said) == own and ("ATen's CPU flash kernel in bfloat16 (a whole" in said) != own
     ro, rl = _ref(q, k, v, True, None, 0.125)
     _check(o, l[..., 0], ro, rl, f"S = {S}")

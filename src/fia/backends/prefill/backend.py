@@ -141,10 +141,15 @@ class PrefillBackend(Backend):
     def describe(self, p: AttentionProblem) -> Optional[str]:
         kd = _kernel_dtype(p)
         on = prefill_flash.ENABLED_FOR.get(kd)
+        name = str(kd).replace('torch.', '')
+        if on is not None and on() and kd == torch.bfloat16 and prefill_flash.HAS_DP and \
+                self._one_call_kind(p, kd) is not None and p.Q_S * p.KV_S <= prefill_flash.SMALL_ATEN_POSITIONS:
+            return (f"kernel: ATen's CPU flash kernel in {name} (a whole call of at most "
+                    f"{prefill_flash.SMALL_ATEN_POSITIONS} query x key pairs per head: faster there than FIA's own kernel)")
         if on is not None and on():
-            return (f"kernel: FIA's own flash kernel in {str(kd).replace('torch.', '')}, "
+            return (f"kernel: FIA's own flash kernel in {name}, "
                     f"{prefill_flash.variant()} (head dims multiples of 64; else ATen's CPU flash kernel)")
-        return f"kernel: ATen's CPU flash kernel in {str(kd).replace('torch.', '')}"
+        return f"kernel: ATen's CPU flash kernel in {name}"
 
     # ------------------------------------------------------------------------------------------ plan / launch
     def plan(self, p: AttentionProblem) -> PrefillPlan:
