@@ -26,6 +26,8 @@ same dtype), head dims multiples of 64; bf16 where the CPU has AVX512-BF16 and n
 the tiles there, ~5x faster), float16 where it has AVX-512 and F16C, float32 where it has AVX-512; all three on
 CPUs without AVX-512 that have AVX2, FMA and F16C (the 8-lane variant)
 (FIA_PREFILL_OWN=1 forces all, emulated where the instructions are missing; =0 turns the kernel off).
+`small_for_aten`: whole bf16 calls of at most SMALL_ATEN_POSITIONS query x key pairs per head, where the CPU has
+AVX512-BF16, run faster on ATen's kernel; the backend sends its whole-window calls there.
 """
 from __future__ import annotations
 
