@@ -78,7 +78,8 @@ class Replay:
 
     With `lengths` the calls it serves pass KV lengths that vary (a decode loop): each call's lengths are
     checked as parse checks them (1 or >= B values in [0, KV_S]; anything else: None, and the full path
-    raises its error) and its plan is the admitting one re-planned for them (relength, a few per replay
+    raises its error) and its plan is the admitting one re-planned for them -- inside attend_merge's dispatch
+    where they keep the call on one thread (`fused`: dense K / V), else by relength (a few per replay
     kept)."""
 
     _MAX_LENGTHS = 8                # plans kept per lengths replay (cleared when full)
