@@ -59,7 +59,8 @@ def _flash(q, k, v, dropout: float, is_causal: bool, attn_mask=None, scale=None,
     """One fused-kernel call (ATen's contract, see the module doc): FIA's own kernel where it applies
     (prefill_flash.eligible; `stats` then receives its findings, prefill_flash.flash), else ATen's CPU flash
     kernel -- also, with `small_aten`, for the small calls it runs faster (prefill_flash.small_for_aten)."""
-    if prefill_flash.eligible(q, k, v, attn_mask) and not (small_aten and prefill_flash.small_for_aten(q, k)):
+    if prefill_flash.eligible(q, k, v, attn_mask) and \
+            not (small_aten and prefill_flash.small_for_aten(q.dtype, q.shape[-2], k.shape[-2])):
         st = {} if stats is None else stats
         o, l = prefill_flash.flash(q, k, v, is_causal, attn_mask, scale, tame=True, stats=st)
         return _untame(o, st["tame"]), l
@@ -142,8 +143,8 @@ class PrefillBackend(Backend):
         kd = _kernel_dtype(p)
         on = prefill_flash.ENABLED_FOR.get(kd)
         name = str(kd).replace('torch.', '')
-        if on is not None and on() and kd == torch.bfloat16 and prefill_flash.HAS_DP and \
-                self._one_call_kind(p, kd) is not None and p.Q_S * p.KV_S <= prefill_flash.SMALL_ATEN_POSITIONS:
+        if on is not None and on() and self._one_call_kind(p, kd) is not None and \
+                prefill_flash.small_for_aten(kd, p.geometry[0].s1, p.geometry[0].s2):     # (_one_call's window)
             return (f"kernel: ATen's CPU flash kernel in {name} (a whole call of at most "
                     f"{prefill_flash.SMALL_ATEN_POSITIONS} query x key pairs per head: faster there than FIA's own kernel)")
         if on is not None and on():
@@ -415,16 +416,10 @@ def _keys(p: AttentionProblem, b: int, g, kd):
     return batch_keys(p, b, g, kd)
 
 
-def _unit_last(x: torch.Tensor) -> torch.Tensor:
-    """The ATen flash kernel reads the head dim as contiguous whatever the stride says (it silently returns
-    wrong numbers for a strided last axis, e.g. a user's `x[..., ::2]` view): copy such an input."""
-    return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
-
-
 def _same_head_dim(q, k, v):
     """The kernel needs one head size for q, k and v: zero-pad the smaller side (zeros add nothing to Q·Kᵀ;
     padded V columns are cut from the output), and a unit stride on that head dim."""
-    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    q, k, v = prefill_flash.unit_last(q), prefill_flash.unit_last(k), prefill_flash.unit_last(v)
     e, dv = q.shape[-1], v.shape[-1]
     if e == dv:
         return q, k, v

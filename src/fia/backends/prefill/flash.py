@@ -74,9 +74,10 @@ ENABLED_FOR = {torch.bfloat16: lambda: ENABLED, torch.float16: lambda: ENABLED_F
 SMALL_ATEN_POSITIONS = 64 * 64
 
 
-def small_for_aten(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether ATen's kernel runs this whole call faster (SMALL_ATEN_POSITIONS): bf16 on AVX512-BF16 CPUs."""
-    return q.dtype == torch.bfloat16 and HAS_DP and q.shape[-2] * k.shape[-2] <= SMALL_ATEN_POSITIONS
+def small_for_aten(dtype: torch.dtype, L: int, S: int) -> bool:
+    """Whether ATen's kernel runs a whole call of L queries x S keys per head faster (SMALL_ATEN_POSITIONS): bf16
+    on AVX512-BF16 CPUs."""
+    return dtype == torch.bfloat16 and HAS_DP and L * S <= SMALL_ATEN_POSITIONS
 
 
 def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> bool:
@@ -182,7 +183,7 @@ def flash(q, k, v, is_causal: bool, mask: Optional[torch.Tensor], scale: float, 
     (an output element stored infinite or NaN)."""
     from ...cpu.threads import launch
     from .kernels import flash_items, pack_items
-    q, k, v = _unit_rows(q), _unit_rows(k), _unit_rows(v)
+    q, k, v = unit_last(q), unit_last(k), unit_last(v)
     lc = _launch_of(q, k, v, is_causal, band)
     Bq, N, L, D, S, Dv = lc.dims
     kp, vp = np.empty(*lc.kp), np.empty(*lc.vp)              # packed K / V tiles (see kernels.pack_items)
@@ -209,10 +210,11 @@ def flash(q, k, v, is_causal: bool, mask: Optional[torch.Tensor], scale: float, 
     return out, lse
 
 
-def _unit_rows(x: torch.Tensor) -> torch.Tensor:
-    """x, or a contiguous copy where its last dim is strided: the kernels read each row's elements side by side
-    (any strides elsewhere are read in place)."""
-    return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
+def unit_last(x: torch.Tensor) -> torch.Tensor:
+    """x, or a contiguous copy where its last dim is strided: both flash kernels read each row's elements side by
+    side (the own kernel reads any other strides in place; ATen's silently returns wrong numbers for a strided
+    last axis, e.g. a user's `x[..., ::2]` view)."""
+    return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
 
 
 class _Launch(NamedTuple):
