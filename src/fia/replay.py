@@ -56,6 +56,7 @@ import torch
 
 from . import caches
 from .config import get_backend, get_validation_mode
+from .parse.memo import _TEMPLATE_MODES
 
 _Tensor = torch.Tensor
 dispatch_modes = torch._C._len_torch_dispatch_stack      # () -> active Python dispatch modes
@@ -140,6 +141,11 @@ def key_of(name: str, q, k, v, kw: dict) -> Optional[tuple]:
                     return None
             elif bt is not None and x is bt:           # a paged cache's table: its metadata (ids: per call)
                 if type(x) is not _Tensor or not x.is_cpu or x.layout != torch.strided:
+                    return None
+                x = (x.dtype, x.shape, x.stride())
+            elif type(x) is _Tensor and n == "atten_mask" and type(kw.get("sparse_mode")) is int \
+                    and kw["sparse_mode"] in _TEMPLATE_MODES:
+                if not x.is_cpu or x.layout != torch.strided:  # the template: parse reads its metadata alone
                     return None
                 x = (x.dtype, x.shape, x.stride())
             elif type(x) is _Tensor and n in _TENSOR_ARGS:     # its metadata; the tensor goes to the replay
@@ -238,8 +244,11 @@ def admit(key: tuple, ran, q, k, v, results: tuple, kw: dict) -> None:
         return
     r = backend.replay(problem, q, k, v, lengths=lens is not None or ax is not None, extras=_extras(key, kw),
                        kv_axis=ax)                 # (Backend.replay: None where the backend offers none)
-    got = None if r is None else _replayed(r, key, q, k, v, kw)
-    ok = got is not None and _same(got[:len(results)], results)
+    if r is not None and not getattr(r, "trial", True):    # the full path's own launch (prefill): no trial
+        ok = True
+    else:
+        got = None if r is None else _replayed(r, key, q, k, v, kw)
+        ok = got is not None and _same(got[:len(results)], results)
     _TABLE.put(key, r if ok else _NEVER)
     stats["admitted" if ok else "refused"] += 1
 

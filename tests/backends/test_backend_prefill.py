@@ -422,3 +422,53 @@ def test_int8_kv_with_pse_skipping(tiles):
               key_antiquant_scale=ks, value_antiquant_scale=ks.clone(), key_antiquant_mode=0,
               value_antiquant_mode=0, pse_shift=pse)
     golden_check(FIA, kw)
+
+
+EXTREMES = ("nan_q", "inf_k", "nan_v", "huge_v", "q_max", "v_max")
+# the own bf16 kernel where it runs natively (else it is emulated: slow, and covered by its own tests)
+KERNELS = ("aten", "own") if prefill_flash.ENABLED_DEFAULT or prefill_flash.HAS_DP else ("aten",)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("B,mask", [(1, "causal"), (1, "none"), (1, "band"), (2, "causal")])
+def test_extreme_values_give_the_references_answer(kernel, B, mask, monkeypatch):
+    """NaN / Inf inputs, V beyond the kernels' safe range and scores beyond float32's (q at bf16's maximum, an
+    infinite key): the NaN / Inf pattern of output and lse is the reference's and the finite values the reference's
+    numbers, with one kernel call for the whole window (B = 1, causal / unmasked: its findings decide the checks) and
+    in the blocked path, on ATen's kernel (which zeroes the output of a row whose score overflows) and on the own."""
+    monkeypatch.setattr(prefill_flash, "ENABLED", kernel == "own")
+    monkeypatch.setattr(prefill_flash, "SMALL_ATEN_POSITIONS", 0 if kernel == "own" else 64 * 64)
+    N, KVN, S, D = 4, 2, 24, 64
+    tmpl = template_mask()
+    for what in EXTREMES:
+        g = gen(len(what) + B)
+        q, k, v = randn((B, N, S, D), g, BF16), randn((B, KVN, S, D), g, BF16), randn((B, KVN, S, D), g, BF16)
+        if what == "nan_q":
+            q[0, 1, 5, 3] = float("nan")
+        elif what == "inf_k":
+            k[0, 0, 9, 2] = float("inf")
+        elif what == "nan_v":
+            v[0, 1, 4, 0] = float("nan")
+        elif what == "huge_v":
+            v[0, 0, 6, :] = 2.0 ** 110
+        elif what == "q_max":
+            q[0, 2, 11, :] = torch.finfo(BF16).max
+        else:
+            v[0, 1, 0, :] = torch.finfo(BF16).max
+        kw = dict(num_heads=N, num_key_value_heads=KVN, input_layout="BNSD", scale=D ** -0.5, softmax_lse_flag=True)
+        if mask == "causal":
+            kw.update(sparse_mode=3, atten_mask=tmpl)
+        elif mask == "band":
+            kw.update(sparse_mode=4, atten_mask=tmpl, pre_tokens=6, next_tokens=0)
+        with fia.use_backend("prefill"):
+            out, lse = FIA(q, k, v, **kw)
+        with fia.use_backend("reference"):
+            ref_o, ref_l = FIA(q, k, v, **kw)
+
+        def pattern(t):
+            t = t.float()
+            return torch.stack([torch.isnan(t), torch.isposinf(t), torch.isneginf(t)])
+        assert torch.equal(pattern(out), pattern(ref_o)) and torch.equal(pattern(lse), pattern(ref_l)), what
+        fin = torch.isfinite(ref_o.float())
+        a, b = out.float()[fin], ref_o.float()[fin]
+        assert float((a - b).abs().max()) <= 2e-2 * max(1.0, float(b.abs().max())), what

@@ -46,10 +46,11 @@ from ... import caches
 from ...cpu import jit
 from ...problem.attention import MASK_FILL, AttentionProblem
 from . import flash as prefill_flash
+from . import replay as prefill_replay
 from ..base import PRIORITY_PREFILL, Backend, BackendResult, Capabilities
 from .plan import CAUSAL, FULL, MASKED, RCAUSAL, BlockPlan, band_outside_tile, dead_row_ranges, plan_batch
 from .pse import key_tile_norms, needed_ranges
-from ..reference import batch_keys, batch_query, unless_non_finite
+from ..reference import ReferenceBackend, batch_keys, batch_query, unless_non_finite
 
 _aten_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -64,13 +65,26 @@ def _flash(q, k, v, dropout: float, is_causal: bool, attn_mask=None, scale=None,
         st = {} if stats is None else stats
         o, l = prefill_flash.flash(q, k, v, is_causal, attn_mask, scale, tame=True, stats=st)
         return _untame(o, st["tame"]), l
-    v, e = _tame(v)
+    v, e, v_finite = _tame(v)
     if is_causal and scale is not None and scale <= 0:
         # ATen fills the causal -inf before scaling (-inf * 0 = NaN, -inf * -s = +inf): fold the sign into q,
         # exact in every dtype; scale 0 is an all-zero score matrix (uniform weights)
         q, scale = (torch.zeros_like(q), 1.0) if scale == 0 else (-q, -scale)
     o, l = _aten_flash(q, k, v, dropout, is_causal, attn_mask=attn_mask, scale=scale)
+    lo, hi = (float(x) for x in torch.aminmax(l)) if l.numel() else (0.0, 0.0)
+    if hi == math.inf:
+        raise ScoreOverflow                # (its row's output came back 0, not the formula's)
+    if stats is not None:
+        # the output is a convex combination of V's rows: finite where V and every row's lse are (a NaN score
+        # makes its row's lse NaN); otherwise "bad" asks the caller for its own check
+        stats.update(tame=e, lse_min=lo, bad=not (v_finite and math.isfinite(lo) and math.isfinite(hi)))
     return _untame(o, e), l
+
+
+class ScoreOverflow(Exception):
+    """A score of ATen's kernel beyond float32's range (an lse of +inf, which no row with keys has otherwise): the
+    kernel leaves that row's output 0. The backend answers such a call with the reference's numbers, as it
+    answers non-finite results (DECISIONS 52)."""
 
 
 _V_SAFE = prefill_flash.V_SAFE
@@ -78,15 +92,16 @@ _V_SAFE = prefill_flash.V_SAFE
 
 def _tame(v: torch.Tensor):
     """The fused kernels sum unnormalized weights x values, which overflow for V near float32's maximum (the
-    reference normalizes first): such a V is scaled by a power of two (exact) -> (v, exponent to restore)."""
+    reference normalizes first): such a V is scaled by a power of two (exact) -> (v, exponent to restore, whether
+    every value of V is finite; False: not looked at)."""
     if v.dtype in (torch.float64, torch.float16) or v.numel() == 0:      # (float16's largest value: 65504)
-        return v, 0
+        return v, 0, False
     lo, hi = torch.aminmax(v)                      # one pass, no |v| copy
     vmax = max(-float(lo), float(hi))              # (NaN in v: NaN in both, no scaling)
     if not vmax > _V_SAFE or math.isinf(vmax):
-        return v, 0
+        return v, 0, math.isfinite(vmax)
     e = math.frexp(vmax)[1]
-    return v * 2.0 ** -e, e
+    return v * 2.0 ** -e, e, True
 
 
 def _untame(o: torch.Tensor, e: int) -> torch.Tensor:
@@ -161,17 +176,33 @@ class PrefillBackend(Backend):
         return PrefillPlan(kd, out_dt, self._one_call_kind(p, kd), batches)
 
     def launch(self, p: AttentionProblem, plan: PrefillPlan) -> BackendResult:
-        if plan.one_call is not None:
-            direct = self._one_call(p, plan.one_call, plan.kernel_dtype)     # (its results checked)
-            if direct is not None:
-                return direct
-        cd = p.compute_dtype
-        dev = p.device
-        out = torch.zeros(p.out_shape(), dtype=plan.out_dtype, device=dev)             # never computed: 0
-        lse = torch.full(p.lse_shape(), float("inf"), dtype=cd, device=dev) if p.want_lse else None
-        for b in plan.batches:
-            self._run_batch(p, b, p.geometry[b], plan.kernel_dtype, out, lse)
-        return unless_non_finite(p, BackendResult(out, lse))
+        try:
+            if plan.one_call is not None:
+                direct = self._one_call(p, plan.one_call, plan.kernel_dtype)     # (its results checked)
+                if direct is not None:
+                    return direct
+            cd = p.compute_dtype
+            dev = p.device
+            out = torch.zeros(p.out_shape(), dtype=plan.out_dtype, device=dev)             # never computed: 0
+            lse = torch.full(p.lse_shape(), float("inf"), dtype=cd, device=dev) if p.want_lse else None
+            for b in plan.batches:
+                self._run_batch(p, b, p.geometry[b], plan.kernel_dtype, out, lse)
+            return unless_non_finite(p, BackendResult(out, lse))
+        except ScoreOverflow:
+            return ReferenceBackend().run(p)
+
+    def replayed_call(self, p: AttentionProblem, kind: int, kd) -> Optional[BackendResult]:
+        """_one_call for a replay (prefill/replay.py): None also where a score overflowed (the full path then
+        answers with the reference's numbers)."""
+        try:
+            return self._one_call(p, kind, kd)
+        except ScoreOverflow:
+            return None
+
+    def replay(self, p: AttentionProblem, query, key, value, lengths: bool = False, extras: tuple = (),
+               kv_axis: Optional[int] = None):
+        """fia.replay's prepared launch of p's call where one kernel call covers it (prefill/replay.py), else None."""
+        return prefill_replay.prepare(self, p, self.plan(p), lengths, extras)
 
     def _one_call_kind(self, p: AttentionProblem, kd) -> Optional[int]:
         """The segment kind (FULL / CAUSAL) when one kernel call may cover p (_one_call), else None: B = 1, the
@@ -197,20 +228,18 @@ class PrefillBackend(Backend):
         """One kernel call over p's whole window (kind: _one_call_kind's): return the kernel's own output (what
         SDPA would), no zero-filled buffer and no copy; None where the result needs the general path."""
         g = p.geometry[0]
-        q, k, v = _same_head_dim(batch_query(p, 0, g, kd), *_keys(p, 0, g, kd))   # (D == Dv here: strides only)
-        q = q.unsqueeze(0)
+        q, k, v = _window(p, g, kd)                            # [1, N, S1, D], [1, KV_N, S2, D] x 2
         bias = None
         if p.pse is not None:
             bias = p.pse[:1, :, g.q_lo:g.q_hi, g.kv_lo:g.kv_lo + g.s2]
         st = {}
-        o, l = _flash(q, k.unsqueeze(0), v.unsqueeze(0), 0.0, kind == CAUSAL, attn_mask=bias, scale=p.scale, stats=st,
-                      small_aten=True)
-        lmin = st["lse_min"] if st else float(l.amin())        # (the own kernel's: no pass over the lse)
+        o, l = _flash(q, k, v, 0.0, kind == CAUSAL, attn_mask=bias, scale=p.scale, stats=st, small_aten=True)
+        lmin = st["lse_min"]
         if kind == CAUSAL and lmin < _fill_threshold(g.s2):
             return None                                        # masked keys' fill takes weight: _fill_rows
         res = BackendResult(o, l.contiguous() if p.want_lse else None)   # [1, N, S, D] (kernel strides)
         # finite as the kernel stored it (and V not rescaled): base.non_finite's passes would find nothing
-        finite = bool(st) and st["tame"] == 0 and not st["bad"] and (not p.want_lse or lmin > _NEG_INF)
+        finite = st["tame"] == 0 and not st["bad"] and (not p.want_lse or lmin > _NEG_INF)
         return res if finite else unless_non_finite(p, res)
 
     def _run_batch(self, p: AttentionProblem, b: int, g, kd, out, lse) -> None:
@@ -414,6 +443,20 @@ def _keys(p: AttentionProblem, b: int, g, kd):
         k, v = batch_keys(p, b, g, p.compute_dtype)
         return k.to(kd), v.to(kd)
     return batch_keys(p, b, g, kd)
+
+
+def _window(p: AttentionProblem, g, kd):
+    """Batch 0's window for one kernel call (_one_call): q [1, N, S1, D], k / v [1, KV_N, S2, D] -- views of the
+    canonical tensors where nothing needs converting (the usual call), else batch_query / _keys' tensors."""
+    q, kv = p.query, p.kv
+    if kv.kind == "dense" and p.antiquant is None and p.prefix is None and kv.key_rope is None and \
+            p.query_rope is None and p.query_dequant is None and q.dtype == kd and kv.key.dtype == kd and \
+            kv.value.dtype == kd and q.shape[-1] == kv.value.shape[-1]:
+        unit = prefill_flash.unit_last
+        k, v = kv.key[:1, :, g.kv_lo:g.kv_hi], kv.value[:1, :, g.kv_lo:g.kv_hi]
+        return unit(q[:1, :, g.q_lo:g.q_hi]), unit(k), unit(v)
+    q, k, v = _same_head_dim(batch_query(p, 0, g, kd), *_keys(p, 0, g, kd))   # (D == Dv here: strides only)
+    return q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
 
 
 def _same_head_dim(q, k, v):

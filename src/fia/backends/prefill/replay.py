@@ -1,0 +1,68 @@
+"""fia.replay's prepared launch of a prefill call: the full path's own launch on the stored problem.
+
+A model's prefill repeats one call per layer (same shapes, strides, arguments; new tensors), and on a short prompt
+its host path -- entry point, parse (even memoized), backend choice, plan -- costs more than the kernel. A replay
+keeps the problem parsed once without its tensors and, per call, views the new query / key / value as parse does
+(to_canonical) and runs the backend's one-kernel-call launch (PrefillBackend._one_call, through replayed_call) and the epilogue
+(finalize): the full path's code from the launch on, on the problem the parse memo would hand it (parse/memo.py
+_recall builds it the same way). So it needs no trial run (fia.replay): that would cost one more kernel call.
+
+Offered for calls one kernel call covers (PrefillPlan.one_call): dense K / V, nothing but query, key and value as
+tensors (the template mask of sparse modes 2-4 is keyed by its metadata; parse reads no more of it). A call the
+replay does not serve -- other KV lengths or KV_S than the stored call's, data that needs the general path
+(_one_call's checks), changed tuning constants -- returns None: the full path runs it.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from ...finalize import finalize
+from ...problem.attention import AttentionProblem, DenseKV
+from ...problem.layout import to_canonical
+from . import flash as prefill_flash
+
+
+def _tuning(backend) -> tuple:
+    """What _one_call's choices read besides the problem (tests and users may change them)."""
+    return (backend.block_q, backend.pse_skip, backend.pse_skip_min, prefill_flash.SMALL_ATEN_POSITIONS,
+            prefill_flash.ENABLED, prefill_flash.ENABLED_F16, prefill_flash.ENABLED_F32)
+
+
+class PrefillReplay:
+    """A prefill call's replay (see the module doc): __call__ -> (out, lse) as the full path's, or None."""
+
+    trial = False               # fia.replay.admit: the full path's own launch, no trial run
+
+    def __init__(self, backend, p: AttentionProblem, kind: int, kd, lens: Optional[tuple]):
+        self.backend, self.kind, self.kd = backend, kind, kd
+        self.template = p.evolve(query=None, kv=None)         # (no tensors kept alive)
+        self.lens = lens                    # the stored call's KV length (B = 1; None: a growing replay without lengths)
+        self.kv_s = p.KV_S
+        self.inp, self.n, self.kv_n = p.layout.inp, p.N, p.KV_N
+        self.tuning = _tuning(backend)
+
+    def stale(self) -> bool:
+        return _tuning(self.backend) != self.tuning
+
+    def __call__(self, q, k, v, lens=None, table=None, extras=(), kv_s=None, lse=True):
+        if lens is not None and (self.lens is None or len(lens) != 1 or type(lens[0]) is not int
+                                 or lens[0] != self.lens[0]):
+            return None                                       # other lengths: another geometry (the full path)
+        if (kv_s is not None and kv_s != self.kv_s) or self.stale():
+            return None
+        inp = self.inp
+        p = self.template.evolve(query=to_canonical(q, inp, self.n),
+                                 kv=DenseKV(to_canonical(k, inp, self.kv_n), to_canonical(v, inp, self.kv_n)))
+        res = self.backend.replayed_call(p, self.kind, self.kd)
+        return None if res is None else finalize(p, res)
+
+
+def prepare(backend, p: AttentionProblem, plan, lengths: bool, extras: tuple) -> Optional[PrefillReplay]:
+    """The replay of p's call (plan: backend.plan(p)), or None where it is not offered (see the module doc)."""
+    if plan.one_call is None or extras or p.kv.kind != "dense" or p.kv.key_rope is not None or p.prefix is not None \
+            or p.pse is not None or p.antiquant is not None or p.query_dequant is not None or p.full_quant is not None:
+        return None
+    g = p.geometry[0]                                     # (one_call: B = 1)
+    if g.kv_lo != 0:
+        return None
+    return PrefillReplay(backend, p, plan.one_call, plan.kernel_dtype, (g.kv_hi,) if lengths else None)
