@@ -14,21 +14,13 @@ from .backends.base import BackendResult
 from .errors import ACLNN_ERR_PARAM_NULLPTR, input_error
 from .problem.layout import from_canonical
 from .problem.attention import AttentionProblem
-from .problem.outputs import expected_outputs
+from .problem.outputs import expected_outputs, final_lse, final_outputs
 
 
 def finalize(p: AttentionProblem, r: BackendResult):
     if p.out_quant is not None:     # SPEC 12: never-computed rows quantize their 0 like every other value
-        out = from_canonical(p.out_quant.apply(r.out, p.packed, p.out_dtype), p.layout.out)
-    else:
-        out = from_canonical(r.out.to(p.out_dtype), p.layout.out)
-    if not p.want_lse or r.lse is None:
-        lse = torch.empty(0, dtype=torch.float32, device=p.device)
-    elif p.packed:
-        lse = r.lse.to(torch.float32).permute(1, 0).unsqueeze(-1).contiguous()     # [T, N, 1]
-    else:
-        lse = r.lse.to(torch.float32).unsqueeze(-1)                                 # [B, N, Q_S, 1]
-    return out, lse
+        return from_canonical(p.out_quant.apply(r.out, p.packed, p.out_dtype), p.layout.out), final_lse(p, r.lse)
+    return final_outputs(p, r.out, r.lse)
 
 
 # ---------------------------------------------------------------------------------- caller-allocated outputs

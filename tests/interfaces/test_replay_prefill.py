@@ -7,7 +7,7 @@ import torch
 import fia
 from fia import replay
 from fia.backends import registry
-from fia.backends.prefill import backend as PB, flash as PF
+from fia.backends.prefill import backend as PB
 from fia.parse import memo
 
 from util import from_layout, gen, randn, to_layout
@@ -132,3 +132,21 @@ def test_calls_the_replay_does_not_serve_take_the_full_path(monkeypatch):
     # cases are served where the one-call launch answers them itself (the reference's numbers), else declined
     assert len(served) == 7 and served["plain"] and served["again"], sorted(served.items())
     assert not served["lengths"] and not served["tuning"], served
+
+
+def test_inputs_that_require_grad_get_no_history_from_a_replay():
+    """A call whose tensors require grad takes the full path (no autograd history, DECISIONS 30), also once its key
+    replays."""
+    N, KV_N, S, D = 8, 2, 32, 64
+    kw = dict(num_heads=N, num_key_value_heads=KV_N, input_layout="BNSD", scale=0.125, sparse_mode=3,
+              atten_mask=TEMPLATE)
+    for step in range(5):
+        g = gen(900 + step)
+        q, k, v = randn((1, N, S, D), g, BF16), randn((1, KV_N, S, D), g, BF16), randn((1, KV_N, S, D), g, BF16)
+        if step == 4:
+            q.requires_grad_(True)
+        with fia.use_backend("prefill"):
+            got, _ = fia.npu_fused_infer_attention_score(q, k, v, **kw)
+            want, _ = full_path(fia.npu_fused_infer_attention_score, q, k, v, **kw)
+        assert got.grad_fn is None and not got.requires_grad and bits_equal(got, want.detach()), step
+    assert replay.stats["replayed"] >= 2, replay.stats

@@ -197,7 +197,7 @@ def non_finite(res: BackendResult) -> bool:
     return lse is not None and lse.numel() > 0 and not float(lse.amin()) > -math.inf
 
 
-_CHECK_FROM = 1 << 30         # calls needing less than this never read the machine's free memory
+CHECK_FROM = 1 << 30         # calls needing less than this never read the machine's free memory
 
 
 def run_inference(backend: Backend, p: AttentionProblem) -> BackendResult:
@@ -208,7 +208,7 @@ def run_inference(backend: Backend, p: AttentionProblem) -> BackendResult:
     if p.device.type == "cpu":
         need = backend.memory_need(p)
         total = sum(b for _, b in need)
-        if total >= _CHECK_FROM:
+        if total >= CHECK_FROM:
             avail = available_memory()
             if avail is not None and total > avail:
                 what, big = max(need, key=lambda x: x[1])

@@ -3,22 +3,26 @@
 A model's prefill repeats one call per layer (same shapes, strides, arguments; new tensors), and on a short prompt
 its host path -- entry point, parse (even memoized), backend choice, plan -- costs more than the kernel. A replay
 keeps the problem parsed once without its tensors and, per call, views the new query / key / value as parse does
-(to_canonical) and runs the backend's one-kernel-call launch (PrefillBackend._one_call, through replayed_call) and the epilogue
-(finalize): the full path's code from the launch on, on the problem the parse memo would hand it (parse/memo.py
-_recall builds it the same way). So it needs no trial run (fia.replay): that would cost one more kernel call.
+(to_canonical) and runs the backend's one-kernel-call launch (PrefillBackend._one_call, through replayed_call)
+and the epilogue (finalize's final_outputs): the full path's code from the launch on, on the problem the parse memo would hand it
+(parse/memo.py _recall builds it the same way). So it needs no trial run (fia.replay): that would cost one more
+kernel call.
 
 Offered for calls one kernel call covers (PrefillPlan.one_call): dense K / V, nothing but query, key and value as
-tensors (the template mask of sparse modes 2-4 is keyed by its metadata; parse reads no more of it). A call the
-replay does not serve -- other KV lengths or KV_S than the stored call's, data that needs the general path
-(_one_call's checks), changed tuning constants -- returns None: the full path runs it.
+tensors (the template mask of sparse modes 2-4 is keyed by its metadata; parse reads no more of it), below the size
+from which the full path checks the free memory first (base.CHECK_FROM). A call the replay does not serve -- other
+KV lengths or KV_S than the stored call's, tensors that require grad, a score beyond float32's range on ATen's
+kernel, changed tuning constants -- returns None: the full path runs it (data that need the general path or the
+reference's numbers are _one_call's own business, as on the full path).
 """
 from __future__ import annotations
 
 from typing import Optional
 
-from ...finalize import finalize
+from ..base import CHECK_FROM
 from ...problem.attention import AttentionProblem, DenseKV
 from ...problem.layout import to_canonical
+from ...problem.outputs import final_outputs
 from . import flash as prefill_flash
 
 
@@ -48,13 +52,14 @@ class PrefillReplay:
         if lens is not None and (self.lens is None or len(lens) != 1 or type(lens[0]) is not int
                                  or lens[0] != self.lens[0]):
             return None                                       # other lengths: another geometry (the full path)
-        if (kv_s is not None and kv_s != self.kv_s) or self.stale():
-            return None
+        if (kv_s is not None and kv_s != self.kv_s) or self.stale() or q.requires_grad or k.requires_grad or \
+                v.requires_grad:
+            return None                                       # (the full path runs without autograd history)
         inp = self.inp
         p = self.template.evolve(query=to_canonical(q, inp, self.n),
                                  kv=DenseKV(to_canonical(k, inp, self.kv_n), to_canonical(v, inp, self.kv_n)))
         res = self.backend.replayed_call(p, self.kind, self.kd)
-        return None if res is None else finalize(p, res)
+        return None if res is None else final_outputs(p, res.out, res.lse)
 
 
 def prepare(backend, p: AttentionProblem, plan, lengths: bool, extras: tuple) -> Optional[PrefillReplay]:
@@ -63,6 +68,6 @@ def prepare(backend, p: AttentionProblem, plan, lengths: bool, extras: tuple) ->
             or p.pse is not None or p.antiquant is not None or p.query_dequant is not None or p.full_quant is not None:
         return None
     g = p.geometry[0]                                     # (one_call: B = 1)
-    if g.kv_lo != 0:
-        return None
+    if g.kv_lo != 0 or sum(b for _, b in backend.memory_need(p)) >= CHECK_FROM:
+        return None                                       # (a call that large checks the free memory first)
     return PrefillReplay(backend, p, plan.one_call, plan.kernel_dtype, (g.kv_hi,) if lengths else None)
