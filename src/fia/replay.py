@@ -41,7 +41,8 @@ parse/memo.py, relies on the same fact), so a call equal in all of it to one tha
 again. Only successful calls are admitted, and only the second time their parse is memoized (the problem has
 a memo_key), after a trial: the replay runs once on the admitting call's tensors and its outputs must equal
 the full path's bit for bit, with the same shapes, strides and dtypes -- else the key is marked never to
-replay. A replay returns None when its preparation went stale (e.g. the backend's tuning constants
+replay. A replay that runs the full path's own launch on the stored problem (`trial = False`: the prefill
+backend's, backends/prefill/replay.py) is admitted without one. A replay returns None when its preparation went stale (e.g. the backend's tuning constants
 changed); the call then takes the full path.
 """
 from __future__ import annotations

@@ -4,9 +4,9 @@ A model's prefill repeats one call per layer (same shapes, strides, arguments; n
 its host path -- entry point, parse (even memoized), backend choice, plan -- costs more than the kernel. A replay
 keeps the problem parsed once without its tensors and, per call, views the new query / key / value as parse does
 (to_canonical) and runs the backend's one-kernel-call launch (PrefillBackend._one_call, through replayed_call)
-and the epilogue (finalize's final_outputs): the full path's code from the launch on, on the problem the parse memo would hand it
-(parse/memo.py _recall builds it the same way). So it needs no trial run (fia.replay): that would cost one more
-kernel call.
+and the epilogue (finalize's final_outputs): the full path's code from the launch on, on the problem the parse
+memo would hand it (parse/memo.py _recall builds it the same way). So it needs no trial run (fia.replay): that
+would cost one more kernel call.
 
 Offered for calls one kernel call covers (PrefillPlan.one_call): dense K / V, nothing but query, key and value as
 tensors (the template mask of sparse modes 2-4 is keyed by its metadata; parse reads no more of it), below the size
