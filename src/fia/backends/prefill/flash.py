@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 import os
 import struct
+import threading
 from typing import NamedTuple, Optional
 
 import numpy as np
@@ -100,42 +101,27 @@ def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[t
     return True
 
 
-def _bits(x: torch.Tensor) -> np.ndarray:
-    """NumPy view of a tensor's elements: uint16 bits of bf16 / float16, float32 as is. Always C-contiguous (a
-    strided view is copied first): the kernels are compiled for one layout per dtype, which `fia.warmup` builds,
-    so no call compiles a strided variant inside the call. q, k and v come as _flat views (no copy) with their
-    strides beside them; the output and masks as they are."""
-    x = x.contiguous()
-    if x.dtype == torch.float32:
-        return x.numpy()
-    return x.view(torch.int16).numpy().view(np.uint16)
+def _span(t: torch.Tensor) -> int:
+    """How many elements from t's first one through the last one t addresses (the kernels read that 1-D span in
+    place, indexing it with t's own strides)."""
+    return 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
 
 
-def _flat_out(out: torch.Tensor):
-    """(1-D NumPy view (_bits) of the output's elements, int64 [3] element strides of its batch / head / row dims)
-    of out [Bq, N, L, Dv]: contiguous, or the [Bq, L, N, Dv] buffer seen as [Bq, N, L, Dv]."""
-    dense = out if out.is_contiguous() else out.transpose(1, 2)
-    if not dense.is_contiguous():
-        raise ValueError(f"out: expected a contiguous [Bq, N, L, Dv] or [Bq, L, N, Dv] buffer, got strides "
-                         f"{out.stride()}")
-    return _bits(dense.reshape(-1)), np.array(out.stride()[:3], np.int64)
+def _out_args(out: torch.Tensor, dtype: torch.dtype) -> tuple:
+    """(span, (batch / head / row element strides)) of out [Bq, N, L, Dv] (its last dim unit-stride)."""
+    if out.dtype != dtype or out.stride(-1) != 1 or out.device.type != "cpu":
+        raise ValueError(f"out: expected a CPU {dtype} tensor with a unit-stride last dim, got {out.dtype}, "
+                         f"strides {out.stride()}")
+    return _span(out), out.stride()[:3]
 
 
-def _mask_flat(mask: Optional[torch.Tensor], shape, dtype: torch.dtype):
-    """(1-D NumPy view (_bits) of the elements the mask broadcast to `shape` addresses, int64 [4]: element
-    strides of its batch / head / row dims, then 1 when there is a mask, else 0). Without a mask, a dummy of the
-    query's `dtype` (a mask has it): one kernel signature per dtype."""
+def _mask_args(mask: Optional[torch.Tensor], shape) -> tuple:
+    """fa's additive-mask entries (kernels.flash_items): (address, span) and (its element strides broadcast to
+    `shape` [Bq, N, L, S], 1), or zeros without a mask. Also the broadcast view (kept alive by the caller)."""
     if mask is None:
-        return np.zeros(1, np.float32 if dtype == torch.float32 else np.uint16), np.zeros(4, np.int64)
+        return (0, 0), (0, 0, 0, 0), None
     m = mask.expand(shape)
-    return _bits(_flat(m)), np.array([*m.stride()[:3], 1], np.int64)
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    """The 1-D unit-stride view from t's first element through the last element t addresses (the kernels
-    index it with t's own strides)."""
-    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
-    return torch.as_strided(t, (span,), (1,), t.storage_offset())
+    return (m.data_ptr(), _span(m)), (*m.stride()[:3], 1), m
 
 
 def user_mask_ok(um: Optional[torch.Tensor]) -> bool:
@@ -147,13 +133,12 @@ def user_mask_ok(um: Optional[torch.Tensor]) -> bool:
 _UMASK_BYTES = {torch.bool: 1, torch.int8: 1, torch.uint8: 1, torch.float16: 2}
 
 
-def _user_flat(um: Optional[torch.Tensor]):
-    """(uint8 1-D NumPy view of the bytes the user mask addresses, int64 [3]: row stride in bytes, bytes per
-    element, 1 when there is a mask)."""
+def _user_args(um: Optional[torch.Tensor]) -> tuple:
+    """fa's user-mask entries: (address, bytes spanned) and (row stride in bytes, bytes per element, 1), or zeros."""
     if um is None:
-        return np.zeros(1, np.uint8), np.zeros(3, np.int64)
+        return (0, 0), (0, 0, 0)
     es = _UMASK_BYTES[um.dtype]
-    return _flat(um).view(torch.uint8).numpy(), np.array([um.stride(0) * es, es, 1], np.int64)
+    return (um.data_ptr(), _span(um) * es), (um.stride(0) * es, es, 1)
 
 
 V_SAFE = 2.0 ** 100     # |V| below this: the kernels' sums of weights x values stay far from float32's maximum
@@ -172,8 +157,9 @@ def _tame_exponent(vmag: int, dtype: torch.dtype) -> int:
 
 def flash(q, k, v, is_causal: bool, mask: Optional[torch.Tensor], scale: float, out=None, lse=None,
           band=None, user_mask=None, tame: bool = False, stats: Optional[dict] = None):
-    """See the module doc. Call only when eligible(q, k, v, mask). out / lse: contiguous buffers to write
-    (tests poison them), else allocated. band (pre, next): row i keeps only keys i - pre <= j <= i + next
+    """See the module doc. Call only when eligible(q, k, v, mask). out / lse: buffers to write (tests poison
+    them; out in q's dtype, any strides with a unit-stride last dim, lse contiguous float32), else allocated.
+    band (pre, next): row i keeps only keys i - pre <= j <= i + next
     (with is_causal, next is capped at 0); keys outside are never computed. user_mask: [L, S] bool / int8 /
     uint8 / float16, nonzero = masked, read in place (user_mask_ok), the same for every entry and head;
     tiles it masks entirely are skipped. q, k and v are read in place, whatever their strides.
@@ -182,32 +168,69 @@ def flash(q, k, v, is_causal: bool, mask: Optional[torch.Tensor], scale: float, 
     receives "tame" (the exponent, 0: none), "lse_min" (the smallest lse written, NaN if one is NaN) and "bad"
     (an output element stored infinite or NaN)."""
     from ...cpu.threads import launch
-    from .kernels import flash_items, pack_items
+    from . import kernels as K
     q, k, v = unit_last(q), unit_last(k), unit_last(v)
     lc = _launch_of(q, k, v, is_causal, band)
     Bq, N, L, D, S, Dv = lc.dims
-    kp, vp = np.empty(*lc.kp), np.empty(*lc.vp)              # packed K / V tiles (see kernels.pack_items)
-    vmag = np.empty(lc.packs.shape[0], np.int64)
-    _pack(pack_items, lc, k, v, lc.vs, kp, vp, vmag)
-    e = 0
-    if tame and (e := _tame_exponent(int(vmag.max()), v.dtype)):
-        v = v * 2.0 ** -e                                     # (a new tensor: its own strides)
-        _pack(pack_items, lc, k, v, np.array(v.stride()[:3], np.int64), kp, vp, vmag)
-    if out is None:                                              # rows of all heads side by side, as ATen's kernel
+    kp, vp, vmag, istat = _scratch(lc)
+    launch(K.pack_items, lc.packs, lc.pack_threads, (kp, vp, vmag, lc.pa, k.data_ptr(), v.data_ptr()))
+    fa = lc.fa
+    if not tame or out is not None or mask is not None or user_mask is not None:
+        fa = fa.copy()                                       # [FA_LEN] (kernels.flash_items)
+        if not tame:
+            fa[K.FA_TAME:K.FA_TAME + 2] = 0
+    if out is None:                                          # rows of all heads side by side, as ATen's kernel
         out = torch.empty(Bq, L, N, Dv, dtype=q.dtype).transpose(1, 2)     # [Bq, N, L, Dv] (BSND outputs: no copy)
-    o_flat, o_str = _flat_out(out)
+    else:
+        fa[K.FA_ON], fa[K.FA_OS:K.FA_OS + 3] = _out_args(out, q.dtype)
     if lse is None:
         lse = torch.empty(Bq, N, L, dtype=torch.float32)          # [Bq, N, L]
-    mk, ms = lc.no_mask if mask is None else _mask_flat(mask, (Bq, N, L, S), q.dtype)
-    if user_mask is not None and tuple(user_mask.shape) != (L, S):
-        raise ValueError(f"user_mask: expected shape {(L, S)}, got {tuple(user_mask.shape)}")
-    istat = np.empty((lc.items.shape[0], 2), np.float32)
-    launch(flash_items, lc.items, lc.threads,
-           (_bits(_flat(q)), lc.qg, kp, vp, o_flat, o_str, lse.numpy(), mk, ms, *_user_flat(user_mask), S, lc.pre,
-            lc.nxt, float(scale), lc.QB, lc.f16, lc.wide, istat))
+    elif lse.dtype != torch.float32 or not lse.is_contiguous() or lse.numel() != Bq * N * L:
+        raise ValueError(f"lse: expected a contiguous float32 [Bq, N, L] tensor, got {lse.dtype} {tuple(lse.shape)}")
+    if mask is not None:
+        (fa[K.FA_M], fa[K.FA_MN]), fa[K.FA_MS:K.FA_MS + 4], mask = _mask_args(mask, (Bq, N, L, S))
+    if user_mask is not None:
+        if tuple(user_mask.shape) != (L, S):
+            raise ValueError(f"user_mask: expected shape {(L, S)}, got {tuple(user_mask.shape)}")
+        (fa[K.FA_U], fa[K.FA_UN]), fa[K.FA_US:K.FA_US + 3] = _user_args(user_mask)
+    args = (kp, vp, vmag, istat, fa, float(scale), q.data_ptr(), out.data_ptr(), lse.data_ptr())
+    launch(K.flash_items, lc.items, lc.threads, args)
+    lse_min, flag = istat.min(0).tolist()                    # (one pass: the smallest lse, any bad item: -1)
+    e = 0
+    if flag == K.TAMED:                                      # V above the safe range: scaled, packed, run again
+        e = _tame_exponent(int(vmag.max()), v.dtype)
+        v = v * 2.0 ** -e                                     # (a new tensor: its own strides)
+        launch(K.pack_items, lc.packs, lc.pack_threads, (kp, vp, vmag, _pack_args(k, v, S), k.data_ptr(),
+                                                         v.data_ptr()))
+        fa = fa.copy()
+        fa[K.FA_TAME:K.FA_TAME + 2] = 0
+        launch(K.flash_items, lc.items, lc.threads, (kp, vp, vmag, istat, fa, *args[5:]))
+        lse_min, flag = istat.min(0).tolist()
     if stats is not None:
-        stats.update(tame=e, lse_min=float(istat[:, 0].min()), bad=bool(istat[:, 1].any()))
+        stats.update(tame=e, lse_min=lse_min, bad=flag < 0)
     return out, lse
+
+
+class _Scratch(threading.local):
+    last = None                 # (launch, kp, vp, vmag, istat) of this thread's last small call
+
+
+_SCRATCH = _Scratch()
+SCRATCH_MAX = 4 << 20           # packed K / V tiles kept for the thread's next call up to this many bytes
+
+
+def _scratch(lc: "_Launch") -> tuple:
+    """(kp, vp, vmag, istat) for a launch: the calling thread's last ones when it was the same launch (a model's
+    layers: no allocation per call; the launch's workers are done with them when flash() returns), else new
+    ones, kept when small."""
+    last = _SCRATCH.last
+    if last is not None and last[0] is lc:
+        return last[1:]
+    kp, vp = np.empty(*lc.kp), np.empty(*lc.vp)              # packed K / V tiles (see kernels.pack_items)
+    bufs = (kp, vp, np.empty(lc.packs.shape[0], np.int64), np.empty((lc.items.shape[0], 2), np.float32))
+    if kp.nbytes + vp.nbytes <= SCRATCH_MAX:
+        _SCRATCH.last = (lc, *bufs)
+    return bufs
 
 
 def unit_last(x: torch.Tensor) -> torch.Tensor:
@@ -219,7 +242,7 @@ def unit_last(x: torch.Tensor) -> torch.Tensor:
 
 class _Launch(NamedTuple):
     """What flash() derives from its arguments' metadata alone (_launch_of: kept per metadata). Its arrays are
-    only read by the kernels."""
+    only read by the kernels (pa / fa: copied per call, addresses filled in)."""
     dims: tuple             # Bq, N, L, D, S, Dv
     kp: tuple               # (shape, dtype) of the packed key tiles
     vp: tuple               # ... of the value tiles
@@ -227,15 +250,8 @@ class _Launch(NamedTuple):
     pack_threads: int
     items: np.ndarray       # flash_items' items (causal-like: the longest first)
     threads: int
-    qg: np.ndarray          # N, L, D, the query's element strides (kernels.flash_items)
-    ks: np.ndarray          # the keys' / values' element strides (batch, head, position)
-    vs: np.ndarray
-    pre: int
-    nxt: int
-    QB: int
-    f16: bool
-    wide: bool
-    no_mask: tuple          # _mask_flat(None, ...): the dummies of a call without an additive mask
+    pa: np.ndarray          # pack_items' argument array (kernels.PA_*)
+    fa: np.ndarray          # flash_items' ... for an output flash() allocates, no masks, tame (kernels.FA_*)
 
 
 _LAUNCHES = caches.BoundedCache("prefill.flash.launches", 64)
@@ -253,6 +269,7 @@ def _launch_of(q, k, v, is_causal: bool, band) -> _Launch:
 
 
 def _launch(q, k, v, is_causal: bool, band) -> _Launch:
+    from . import kernels as K
     Bq, N, L, D = q.shape
     H, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = N // H
@@ -280,18 +297,23 @@ def _launch(q, k, v, is_causal: bool, band) -> _Launch:
     items = np.arange(n_items, dtype=np.int64)
     if nxt < big and pre >= big:                              # causal-like: longest (latest query block) first
         items = items.reshape(Bq * H, nqb)[:, ::-1].T.reshape(-1).copy()
-    strides = lambda x: np.array(x.stride()[:3], np.int64)   # noqa: E731
+    fa = np.zeros(K.FA_LEN, np.int64)
+    fa[K.FA_QN], fa[K.FA_QG:K.FA_QG + 6] = _span(q), (N, L, D, *q.stride()[:3])
+    fa[K.FA_ON], fa[K.FA_OS:K.FA_OS + 3] = Bq * L * N * Dv, (L * N * Dv, Dv, N * Dv)   # flash()'s [Bq, L, N, Dv]
+    fa[K.FA_BQ] = Bq
+    fa[[K.FA_S, K.FA_PRE, K.FA_NXT, K.FA_QB, K.FA_F16, K.FA_WIDE]] = (S, pre, nxt, QB, f16, wide)
+    fa[K.FA_TAME:K.FA_TAME + 2] = _MAG.get(v.dtype, (0, 0, 0))[:2]     # (flash(tame=False): zeros)
     return _Launch((Bq, N, L, D, S, Dv), kp, vp, np.arange(n_pack, dtype=np.int64), min(threads, n_pack), items,
-                   min(threads, n_items), np.array([N, L, D, *q.stride()[:3]], np.int64), strides(k), strides(v),
-                   pre, nxt, QB, f16, wide, _mask_flat(None, (Bq, N, L, S), q.dtype))
+                   min(threads, n_items), _pack_args(k, v, S), fa)
 
 
-def _pack(pack_items, lc: _Launch, k, v, vs: np.ndarray, kp, vp, vmag: np.ndarray) -> None:
-    """pack_items over k and v (V's element strides vs) read in place (vmag: each tile's largest |V| bits)."""
-    from ...cpu.threads import launch
-    k16, v16 = _bits(_flat(k)), _bits(_flat(v))
-    vbits = v16 if v16.dtype == np.uint16 else v16.view(np.uint32)          # (float32: its bits)
-    launch(pack_items, lc.packs, lc.pack_threads, (k16, v16, lc.ks, vs, kp, vp, lc.dims[4], vbits, vmag))
+def _pack_args(k, v, S: int) -> np.ndarray:
+    """pack_items' argument array (kernels.PA_*) of k and v: their spans and strides, S."""
+    from . import kernels as K
+    pa = np.zeros(K.PA_LEN, np.int64)
+    pa[K.PA_KN], pa[K.PA_VN], pa[K.PA_S] = _span(k), _span(v), S
+    pa[K.PA_KS:K.PA_KS + 3], pa[K.PA_VS:K.PA_VS + 3] = k.stride()[:3], v.stride()[:3]
+    return pa
 
 
 def _pairs(L: int, S: int, pre: int, nxt: int) -> int:

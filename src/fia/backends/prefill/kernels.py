@@ -18,11 +18,11 @@ element, decode.kernels.rows.load_rows).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, types
+from numba import carray, njit, types
 from numba.extending import overload
 
-from ...cpu.numerics import (FM, bf16_to_f32, claim, f32_as_u32, f32_to_bf16_bits, f32_to_half_bits, fexp, fexp2,
-                             fp16_to_f32, round_bf16_value)
+from ...cpu.numerics import (FM, addr_ptr, bf16_to_f32, claim, f32_as_u32, f32_to_bf16_bits, f32_to_half_bits,
+                             fexp, fexp2, fp16_to_f32, round_bf16_value)
 from ...cpu import kernel_cache
 from ...cpu.simd import max_f32, mul_exact, sub_exact
 from ...cpu import gemm, gemm_narrow
@@ -41,7 +41,7 @@ kernel_cache.install("backends/prefill/kernels.py", ("cpu/numerics.py", "cpu/sim
 
 LOG2E = np.float32(1.4426950408889634)
 
-__all__ = ["COLS", "ROWS", "pack_items", "flash_items"]
+__all__ = ["COLS", "ROWS", "pack_items", "flash_items"]  # (and their argument layouts, PA_* / FA_*)
 
 
 @njit(cache=True, inline="always")
@@ -50,19 +50,27 @@ def _split(it, H, n):
     return it // (n * H), (it // n) % H, it % n
 
 
+# pack_items' argument array pa (int64): K's and V's element spans, their element strides, S
+PA_KN, PA_VN, PA_KS, PA_VS, PA_S, PA_LEN = 0, 1, 2, 5, 8, 9
+
+
 @njit(nogil=True, cache=True)
-def pack_items(items, counter, k16, v16, ks, vs, kp, vp, S, vbits, vmag):
+def pack_items(items, counter, kp, vp, vmag, pa, k_addr, v_addr):
     """Pack the K and V tiles of (b, h, tile t) items (it = (b * H + h) * nt + t), taken through `counter`.
-    k16, v16: the keys' / values' elements (1-D, read in place), uint16 bits of bf16 / float16 or float32; element
-    (b, h, key, d) at ks[0] * b + ks[1] * h + ks[2] * key + d (vs: V's); keys >= S pack as zeros.
+    K and V are read in place from the addresses of their first elements (uint16 bits of bf16 / float16, or
+    float32 -- the type kp's implies, _elems; the caller keeps them alive for the call); pa int64 [PA_LEN]: how
+    many elements from there they span, their element strides (batch, head, key; element (b, h, key, d) at
+    ks[0] * b + ks[1] * h + ks[2] * key + d) and S: keys >= S pack as zeros.
     bf16 (kp uint32 [Bq, H, nt, D / 2, KT], vp uint32 [Bq, H, nt, KT / 2, Dv]): kp[b, h, t, p, c] =
     (K[2p], K[2p + 1]) of key t * KT + c, vp[b, h, t, c2, d] = (V[key 2 c2, d], V[key 2 c2 + 1, d]).
     float16 / float32 (kp [Bq, H, nt, D, KT], vp [Bq, H, nt, KT, Dv], K's element type): the key tile
     transposed, the value rows as they are. vmag[it]: the largest magnitude bits (sign cleared) of the tile's
-    values, read from vbits (V's elements as uint16 / uint32: its bits; infinity and NaN above every finite
-    value) -- the caller's check for values the kernels' sums would overflow (backend._tame) without a pass
-    over V of its own."""
+    values (V's bits as uint16 / uint32; infinity and NaN above every finite value) -- the caller's check for
+    values the kernels' sums would overflow (backend._tame) without a pass over V of its own."""
     H, nt = kp.shape[1], kp.shape[2]
+    k16, v16 = _elems(k_addr, pa[PA_KN], kp), _elems(v_addr, pa[PA_VN], kp)
+    vbits = _elem_bits(v_addr, pa[PA_VN], kp)
+    ks, vs, S = pa[PA_KS:PA_KS + 3], pa[PA_VS:PA_VS + 3], pa[PA_S]
     while True:
         it = claim(items, counter)
         if it < 0:
@@ -70,6 +78,29 @@ def pack_items(items, counter, k16, v16, ks, vs, kp, vp, S, vbits, vmag):
         b, h, t = _split(it, H, nt)
         _pack_tile(k16, v16, ks, vs, kp, vp, S, b, h, t)
         vmag[it] = _tile_magnitude(vbits, vs, S, b, h, t * kp.shape[4], vp.shape[4], kp.shape[4])
+
+
+def _elems(addr, n, kp):
+    """The n elements at addr as the kernels read q / k / v / output / mask: uint16 bits where the packed tiles kp
+    are uint32 (bf16) or uint16 (float16), float32 where they are float32."""
+
+
+@overload(_elems, inline="always")
+def _elems_impl(addr, n, kp):
+    if kp.dtype == types.float32:
+        return lambda addr, n, kp: carray(addr_ptr(addr), n, np.float32)
+    return lambda addr, n, kp: carray(addr_ptr(addr), n, np.uint16)
+
+
+def _elem_bits(addr, n, kp):
+    """_elems' bits: uint16, or uint32 for float32 elements."""
+
+
+@overload(_elem_bits, inline="always")
+def _elem_bits_impl(addr, n, kp):
+    if kp.dtype == types.float32:
+        return lambda addr, n, kp: carray(addr_ptr(addr), n, np.uint32)
+    return lambda addr, n, kp: carray(addr_ptr(addr), n, np.uint16)
 
 
 @njit(cache=True, inline="always")
@@ -384,33 +415,59 @@ def _softmax_tile(sc, pb, o, m, l, b, n0, RB, i0, nq, QB, k0, c0, c1, nk, pre, n
         _softmax_row(sc, pw, o, m, l, r, jlo, jhi, c0, c1, sf, mask, mbase, mf16, ub, ubase, us, Dv, rnd)
 
 
+# flash_items' argument array fa (int64): the query's element span, the output's, the lse's batch entries Bq, the
+# additive mask's and the user mask's addresses and spans (0, 0: none), then the query's geometry qg, the output's
+# strides, the masks' strides and flags, S, the band, QB, the f16 / wide flags and the bounds of V's magnitude bits
+# that call for scaling V first (0, 0: never; see flash_items)
+(FA_QN, FA_ON, FA_BQ, FA_M, FA_MN, FA_U, FA_UN, FA_QG, FA_OS, FA_MS, FA_US, FA_S, FA_PRE, FA_NXT, FA_QB, FA_F16,
+ FA_WIDE, FA_TAME, FA_LEN) = (0, 1, 2, 3, 4, 5, 6, 7, 13, 16, 20, 23, 24, 25, 26, 27, 28, 29, 31)
+TAMED = np.float32(-2.0)        # istat[:, 1] of a launch that computed nothing: V needs scaling first
+
+
 @njit(nogil=True, cache=True)
-def flash_items(items, counter, q16, qg, kp, vp, out16, ostr, lse, mask, ms, ub, us, S, pre, nxt, scale, QB, f16, wide,
-                istat):
-    """Items it = (b * H + h) * nqb + qb (see the module doc), taken through the atomic `counter`.
-    q16: the query's elements (1-D, read in place), uint16 bits of bf16, of float16 when f16, or float32 (then f16
-    is set); qg int64 [6]: N, L, D, then the element strides of its batch / head / row dims (element (b, n, i, d) at
-    qg[3] * b + qg[4] * n + qg[5] * i + d);
-    wide: float32 query rows and probabilities (all but bf16 with vdpbf16ps; bf16 on 8-lane CPUs: the query
-    widened, the probabilities rounded to bf16 values); kp / vp: pack_items' tiles; out16: the output's elements (1-D) in
-    q16's element type, element (b, n, i, d) at ostr[0] * b + ostr[1] * n + ostr[2] * i + d; lse: [Bq, N, L] float32; mask: an additive mask in q16's element type, element
-    (b, n, i, j) at
-    ms[0] * b + ms[1] * n + ms[2] * i + j (strides 0 where it broadcasts), read only when ms[3] != 0;
-    row i keeps keys i - pre <= j <= i + nxt (top-left causal: nxt = 0, pre >= L; no band: both >= L + S).
-    ub / us: a user mask shared by all entries and heads (bytes of element (i, j) at us[0] * i + us[1] * j,
-    us[1] = 1: nonzero masks, 2: float16 nonzero masks; used when us[2] != 0). Key tiles no row of an item
-    keeps are skipped (band, then user mask), and so are the 64-column blocks at either side of a tile
-    that no row's band keeps. istat float32 [items, 2]: per item, the smallest lse it wrote (NaN when one is
-    NaN) and 1 when an output element it stored is infinite or NaN, else 0 (the caller's checks of the results,
-    without passes over them)."""
+def flash_items(items, counter, kp, vp, vmag, istat, fa, scale, q_addr, o_addr, lse_addr):
+    """Items it = (b * H + h) * nqb + qb (see the module doc), taken through the atomic `counter`. The caller keeps
+    every tensor addressed alive for the call.
+    - q_addr: the query's first element (read in place: _elems, uint16 bits of bf16, of float16 when f16, or
+      float32, then f16 is set), fa[FA_QN] elements from there; qg = fa[FA_QG:FA_QG + 6]: N, L, D, then the
+      element strides of its batch / head / row dims (element (b, n, i, d) at qg[3] * b + qg[4] * n + qg[5] * i + d);
+    - o_addr: the output's first element in the query's element type, element (b, n, i, d) at ostr[0] * b +
+      ostr[1] * n + ostr[2] * i + d (ostr = fa[FA_OS:FA_OS + 3]); lse_addr: the lse [Bq, N, L] float32
+      (contiguous), Bq = fa[FA_BQ];
+    - an additive mask in the query's element type, element (b, n, i, j) at ms[0] * b + ms[1] * n + ms[2] * i + j
+      (strides 0 where it broadcasts), read only when ms[3] != 0;
+    - a user mask shared by all entries and heads (bytes of element (i, j) at us[0] * i + us[1] * j, us[1] = 1:
+      nonzero masks, 2: float16 nonzero masks; used when us[2] != 0);
+    - S; row i keeps keys i - pre <= j <= i + nxt (top-left causal: nxt = 0, pre >= L; no band: both >= L + S);
+      QB query positions per item; f16; wide: float32 query rows and probabilities (all but bf16 with vdpbf16ps;
+      bf16 on 8-lane CPUs: the query widened, the probabilities rounded to bf16 values);
+    - vmag: pack_items' magnitude bits of V's tiles; where their largest lies strictly between fa[FA_TAME] and
+      fa[FA_TAME + 1] (finite values above the kernels' safe range, no NaN) nothing is computed and every item's
+      istat[:, 1] is TAMED: the caller scales V and launches again (backend._tame's rule).
+    kp / vp: pack_items' tiles. Key tiles no row of an item keeps are skipped (band, then user mask), and so are
+    the 64-column blocks at either side of a tile that no row's band keeps. istat float32 [items, 2]: per item, the
+    smallest lse it wrote (NaN when one is NaN) and -1 when an output element it stored is infinite or NaN, else 0
+    (the caller's checks of the results, without passes over them: one min over the items)."""
+    top = 0
+    for x in vmag:
+        top = max(top, x)
+    if fa[FA_TAME] < top < fa[FA_TAME + 1]:
+        istat[:, 1] = TAMED
+        return
     H, KT = kp.shape[1], kp.shape[4]
+    q16, out16 = _elems(q_addr, fa[FA_QN], kp), _elems(o_addr, fa[FA_ON], kp)
+    lse = carray(addr_ptr(lse_addr), (fa[FA_BQ], fa[FA_QG], fa[FA_QG + 1]), np.float32)     # [Bq, N, L]
+    mask = _elems(fa[FA_M], fa[FA_MN], kp)
+    ub = carray(addr_ptr(fa[FA_U]), fa[FA_UN], np.uint8)
+    qg, ostr, ms, us = fa[FA_QG:FA_QG + 6], fa[FA_OS:FA_OS + 3], fa[FA_MS:FA_MS + 4], fa[FA_US:FA_US + 3]
+    S, pre, nxt, QB, f16 = fa[FA_S], fa[FA_PRE], fa[FA_NXT], fa[FA_QB], fa[FA_F16] != 0
     N, D = qg[0], qg[2]
     RP = ((N // H) * QB + ROWS - 1) // ROWS * ROWS
-    if wide:    # float32 query rows and probabilities (the GEMMs widen float16 / bf16 K / V; the probabilities
-        #         overwrite the scores: _prob_scratch, pb unused)
+    if fa[FA_WIDE]:     # float32 query rows and probabilities (the GEMMs widen float16 / bf16 K / V; the
+        #                 probabilities overwrite the scores: _prob_scratch, pb unused)
         _items(items, counter, q16, qg, kp, vp, out16, ostr, lse, mask, ms, ub, us, S, pre, nxt, scale, QB,
                np.zeros((RP, D), np.float32), np.zeros((1, 1), np.float32), f16, True, istat)
-    else:       # bf16 bits of the query rows and probabilities (vdpbf16ps operands)
+    else:               # bf16 bits of the query rows and probabilities (vdpbf16ps operands)
         _items(items, counter, q16, qg, kp, vp, out16, ostr, lse, mask, ms, ub, us, S, pre, nxt, scale, QB,
                np.zeros((RP, D), np.uint16), np.zeros((RP, KT), np.uint16), False, False, istat)
 
@@ -497,4 +554,4 @@ def _items(items, counter, q16, qg, kp, vp, out16, ostr, lse, mask, ms, ub, us, 
                 elif lmin == lmin and x < lmin:
                     lmin = x
         istat[it, 0] = lmin
-        istat[it, 1] = np.float32(1.0) if bad else np.float32(0.0)
+        istat[it, 1] = np.float32(-1.0) if bad else np.float32(0.0)      # (-1: one min finds both)
