@@ -150,3 +150,30 @@ def test_inputs_that_require_grad_get_no_history_from_a_replay():
             want, _ = full_path(fia.npu_fused_infer_attention_score, q, k, v, **kw)
         assert got.grad_fn is None and not got.requires_grad and bits_equal(got, want.detach()), step
     assert replay.stats["replayed"] >= 2, replay.stats
+
+
+@pytest.mark.parametrize("mask", ["none", "ones"])
+def test_the_transformers_attention_function_replays_a_prefill_exactly(mask, monkeypatch):
+    """The transformers integration's prefill call (its guard on fia.replay.Site): every layer's call, new data
+    each, equals the full path bit for bit, and the layers after admission replay."""
+    transformers = pytest.importorskip("transformers")  # noqa: F841
+    from fia.integrations.transformers import common
+    from fia.integrations.transformers.attention import fia_attention_forward
+
+    class Layer(torch.nn.Module):
+        is_causal = True
+    B, N, KV_N, S, D = 1, 8, 2, 40, 64
+    attn = None
+    if mask == "ones":                                   # transformers' 4-D bool mask: all allowed, causal
+        attn = torch.ones(S, S, dtype=torch.bool).tril()[None, None]
+    for layer in range(6):
+        g = gen(40 + layer)
+        q = randn((B, S, N, D), g, BF16).transpose(1, 2)    # (the model's transposed projection)
+        k, v = randn((B, KV_N, S, D), g, BF16), randn((B, KV_N, S, D), g, BF16)
+        got, _ = fia_attention_forward(Layer(), q, k, v, attn, scaling=D ** -0.5)
+        with monkeypatch.context() as m:                         # (no site, no replay: the full path)
+            m.setattr(common, "_call", lambda q, k, v, guard, kw, lane=None: full_path(
+                fia.npu_fused_infer_attention_score, q, k, v, **kw))
+            want, _ = fia_attention_forward(Layer(), q, k, v, attn, scaling=D ** -0.5)
+        assert bits_equal(got, want), layer
+    assert replay.stats["replayed"] >= 3, replay.stats

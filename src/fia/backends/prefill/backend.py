@@ -55,13 +55,19 @@ from ..reference import ReferenceBackend, batch_keys, batch_query, unless_non_fi
 _aten_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
+def _own(q, k, v, attn_mask, small_aten: bool) -> bool:
+    """Whether _flash runs FIA's own kernel on these tensors (their metadata decide)."""
+    return prefill_flash.eligible(q, k, v, attn_mask) and \
+        not (small_aten and prefill_flash.small_for_aten(q.dtype, q.shape[-2], k.shape[-2]))
+
+
 def _flash(q, k, v, dropout: float, is_causal: bool, attn_mask=None, scale=None, stats: Optional[dict] = None,
-           small_aten: bool = False):
+           small_aten: bool = False, own: Optional[bool] = None):
     """One fused-kernel call (ATen's contract, see the module doc): FIA's own kernel where it applies
     (prefill_flash.eligible; `stats` then receives its findings, prefill_flash.flash), else ATen's CPU flash
-    kernel -- also, with `small_aten`, for the small calls it runs faster (prefill_flash.small_for_aten)."""
-    if prefill_flash.eligible(q, k, v, attn_mask) and \
-            not (small_aten and prefill_flash.small_for_aten(q.dtype, q.shape[-2], k.shape[-2])):
+    kernel -- also, with `small_aten`, for the small calls it runs faster (prefill_flash.small_for_aten).
+    own: _own's answer where the caller kept it (a replay: the same metadata)."""
+    if own if own is not None else _own(q, k, v, attn_mask, small_aten):
         st = {} if stats is None else stats
         o, l = prefill_flash.flash(q, k, v, is_causal, attn_mask, scale, tame=True, stats=st)
         return _untame(o, st["tame"]), l
@@ -191,11 +197,17 @@ class PrefillBackend(Backend):
         except ScoreOverflow:
             return ReferenceBackend().run(p)
 
-    def replayed_call(self, p: AttentionProblem, kind: int, kd) -> Optional[BackendResult]:
-        """_one_call for a replay (prefill/replay.py): None also where a score overflowed (the full path then
-        answers with the reference's numbers)."""
+    def _one_call_own(self, p: AttentionProblem, kd) -> bool:
+        """Whether _one_call runs FIA's own kernel on p (its metadata decide)."""
+        g = p.geometry[0]
+        q, k, v = _window(p, g, kd)
+        return _own(q, k, v, None if p.pse is None else p.pse[:1, :, g.q_lo:g.q_hi, g.kv_lo:g.kv_lo + g.s2], True)
+
+    def replayed_call(self, p: AttentionProblem, kind: int, kd, own: bool) -> Optional[BackendResult]:
+        """_one_call for a replay (prefill/replay.py; own: _one_call_own's when it was prepared): None also where a
+        score overflowed (the full path then answers with the reference's numbers)."""
         try:
-            return self._one_call(p, kind, kd)
+            return self._one_call(p, kind, kd, own)
         except ScoreOverflow:
             return None
 
@@ -224,16 +236,18 @@ class PrefillBackend(Backend):
             return None
         return seg.kind
 
-    def _one_call(self, p: AttentionProblem, kind: int, kd) -> Optional[BackendResult]:
+    def _one_call(self, p: AttentionProblem, kind: int, kd, own: Optional[bool] = None) -> Optional[BackendResult]:
         """One kernel call over p's whole window (kind: _one_call_kind's): return the kernel's own output (what
-        SDPA would), no zero-filled buffer and no copy; None where the result needs the general path."""
+        SDPA would), no zero-filled buffer and no copy; None where the result needs the general path. own:
+        _one_call_own's answer where the caller kept it."""
         g = p.geometry[0]
         q, k, v = _window(p, g, kd)                            # [1, N, S1, D], [1, KV_N, S2, D] x 2
         bias = None
         if p.pse is not None:
             bias = p.pse[:1, :, g.q_lo:g.q_hi, g.kv_lo:g.kv_lo + g.s2]
         st = {}
-        o, l = _flash(q, k, v, 0.0, kind == CAUSAL, attn_mask=bias, scale=p.scale, stats=st, small_aten=True)
+        o, l = _flash(q, k, v, 0.0, kind == CAUSAL, attn_mask=bias, scale=p.scale, stats=st, small_aten=True,
+                      own=own)
         lmin = st["lse_min"]
         if kind == CAUSAL and lmin < _fill_threshold(g.s2):
             return None                                        # masked keys' fill takes weight: _fill_rows

@@ -44,6 +44,7 @@ class PrefillReplay:
         self.kv_s = p.KV_S
         self.inp, self.n, self.kv_n = p.layout.inp, p.N, p.KV_N
         self.tuning = _tuning(backend)
+        self.own = backend._one_call_own(p, kd)              # (the kernel choice: metadata only)
 
     def stale(self) -> bool:
         return _tuning(self.backend) != self.tuning
@@ -58,7 +59,7 @@ class PrefillReplay:
         inp = self.inp
         p = self.template.evolve(query=to_canonical(q, inp, self.n),
                                  kv=DenseKV(to_canonical(k, inp, self.kv_n), to_canonical(v, inp, self.kv_n)))
-        res = self.backend.replayed_call(p, self.kind, self.kd)
+        res = self.backend.replayed_call(p, self.kind, self.kd, self.own)
         return None if res is None else final_outputs(p, res.out, res.lse)
 
 

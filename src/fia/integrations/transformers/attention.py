@@ -12,6 +12,10 @@ from .masks import mask_plan
 
 # keyword arguments a decode step's guard does not cover (the step then takes the usual path)
 _UNGUARDED = frozenset({"kv_padding_size", "atten_mask", "learnable_sink", "query_rope", "key_rope"})
+# keyword arguments of a prefill call its guard covers (_prefill_guard): scalars, the lengths, the template mask
+_PREFILL_GUARDED = frozenset({"sparse_mode", "pre_tokens", "next_tokens", "actual_seq_lengths_kv", "atten_mask"})
+_PREFILL_DATA = frozenset({"actual_seq_lengths_kv", "atten_mask"})     # (in the guard by name, not value)
+_TEMPLATE = object()
 # keyword arguments transformers passes that no FIA argument depends on: a call with only these may take its lane
 _INERT = frozenset({"position_ids", "use_cache", "cache_position"})
 
@@ -80,8 +84,11 @@ def fia_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
     guard = None
     if q_len == 1 and not portable and _UNGUARDED.isdisjoint(kw):      # a decode step: fia.replay.Site's guard
         guard = _guard(n, kv_n, scale, kw)
+    elif q_len > 1 and not portable and _PREFILL_GUARDED.issuperset(kw) and \
+            kw.get("atten_mask", _TEMPLATE) is template(query.device):   # a prefill call repeated by every layer
+        guard = _prefill_guard(n, kv_n, scale, kw)
     kw.update(num_heads=n, num_key_value_heads=kv_n, input_layout=layout, scale=scale)
-    out, _ = models.call(query, key, value, kw, portable, guard, None if layer is None else layer.lane)
+    out, _ = models.call(query, key, value, kw, portable, guard, None if layer is None or q_len > 1 else layer.lane)
     if out.shape[-1] != dv:
         out = out[..., :dv]                                        # the zero-padded value channels
     if q_len == 1:
@@ -99,6 +106,14 @@ def _guard(n: int, kv_n: int, scale: float, kw: dict) -> tuple:
         vs = kw["value_antiquant_scale"]
         guard += (ks.shape, ks.stride(), vs.shape, vs.stride())
     return guard
+
+
+def _prefill_guard(n: int, kv_n: int, scale: float, kw: dict) -> tuple:
+    """fia.replay.Site's guard of a prefill call whose kw holds only scalars, a KV lengths list (its values are the
+    replay's to check) and the template mask (the one object `template` hands out): all of them but the lengths."""
+    lens = kw.get("actual_seq_lengths_kv")
+    return (n, kv_n, scale, math.copysign(1.0, scale), tuple(kw), None if lens is None else len(lens),
+            *(x for name, x in kw.items() if name not in _PREFILL_DATA))
 
 
 def _cache_step(layer, query: torch.Tensor, key: torch.Tensor, scaling) -> tuple:
