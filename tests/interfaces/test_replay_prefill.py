@@ -100,6 +100,40 @@ def test_prefill_replay_equals_full_path_on_new_data(case):
     assert replay.stats["replayed"] >= 3 and replay.stats["refused"] == 0, replay.stats
 
 
+BLOCKED = [  # (B, N, KV_N, S, D, dtype, layout, extra keywords): batches, bands and lengths (the blocked path)
+    (3, 8, 2, 64, 64, BF16, "BSND", dict(sparse_mode=3, actual_seq_lengths_kv=[64, 55, 44])),
+    (2, 4, 2, 80, 64, F16, "BNSD", dict(sparse_mode=4, pre_tokens=16, next_tokens=0)),
+    (2, 8, 4, 48, 64, F32, "BSH", dict(actual_seq_lengths_kv=[43])),
+    (1, 8, 2, 300, 64, BF16, "BNSD", dict(sparse_mode=4, pre_tokens=100, next_tokens=0)),
+]
+
+
+@pytest.mark.parametrize("case", BLOCKED, ids=lambda c: f"b{c[0]}-{c[6]}-{c[5]}-s{c[3]}-{sorted(c[7])}")
+def test_blocked_prefill_replays_equal_full_path(case):
+    """Batches with per-batch lengths, band masks, a broadcast length: the replay runs the blocked path's launch;
+    every call equals the full path bit for bit (NaN beyond each batch's keys is never read), and a call with
+    other lengths under the same key is the full path's."""
+    B, N, KV_N, S, D, dt, layout, extra = case
+    lens = extra.get("actual_seq_lengths_kv")
+    for step in range(6):
+        g = gen(500 + step)
+        q0, k0, v0 = randn((B, N, S, D), g, dt), randn((B, KV_N, S, D), g, dt), randn((B, KV_N, S, D), g, dt)
+        kw = dict(num_heads=N, num_key_value_heads=KV_N, input_layout=layout, scale=D ** -0.5, softmax_lse_flag=True,
+                  **extra)
+        if "sparse_mode" in kw:
+            kw["atten_mask"] = TEMPLATE
+        if lens is not None:
+            kw["actual_seq_lengths_kv"] = [x - 3 for x in lens] if step == 4 else list(lens)
+            for b in range(B):
+                n = kw["actual_seq_lengths_kv"][b if len(lens) > 1 else 0]
+                k0[b, :, n:], v0[b, :, n:] = float("nan"), float("nan")
+        q, k, v = (to_layout(x, layout) for x in (q0, k0, v0))
+        (got_o, got_l), (want_o, want_l) = call(q, k, v, kw)
+        assert bits_equal(got_o, want_o) and bits_equal(got_l, want_l), step
+        assert not torch.isnan(got_o).any(), step
+    assert replay.stats["replayed"] >= 3 and replay.stats["refused"] == 0, replay.stats
+
+
 def test_calls_the_replay_does_not_serve_take_the_full_path(monkeypatch):
     """Other KV lengths under one key, data the one-call launch hands to the general path (NaN, V beyond the
     kernels' safe range, an overflowing score) and changed tuning constants: every result is the full path's."""

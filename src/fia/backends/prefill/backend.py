@@ -181,10 +181,11 @@ class PrefillBackend(Backend):
         batches = tuple(b for b, g in enumerate(p.geometry) if g.s1 != 0 and g.s2 != 0)
         return PrefillPlan(kd, out_dt, self._one_call_kind(p, kd), batches)
 
-    def launch(self, p: AttentionProblem, plan: PrefillPlan) -> BackendResult:
+    def launch(self, p: AttentionProblem, plan: PrefillPlan, own: Optional[bool] = None) -> BackendResult:
+        """own: _one_call_own's answer where the caller kept it (a replay)."""
         try:
             if plan.one_call is not None:
-                direct = self._one_call(p, plan.one_call, plan.kernel_dtype)     # (its results checked)
+                direct = self._one_call(p, plan.one_call, plan.kernel_dtype, own)     # (its results checked)
                 if direct is not None:
                     return direct
             cd = p.compute_dtype
@@ -197,23 +198,17 @@ class PrefillBackend(Backend):
         except ScoreOverflow:
             return ReferenceBackend().run(p)
 
-    def _one_call_own(self, p: AttentionProblem, kd) -> bool:
-        """Whether _one_call runs FIA's own kernel on p (its metadata decide)."""
+    def _one_call_own(self, p: AttentionProblem, kd) -> Optional[bool]:
+        """Whether _one_call runs FIA's own kernel on p (its metadata decide); None without a one-call plan."""
+        if self._one_call_kind(p, kd) is None:
+            return None
         g = p.geometry[0]
         q, k, v = _window(p, g, kd)
         return _own(q, k, v, None if p.pse is None else p.pse[:1, :, g.q_lo:g.q_hi, g.kv_lo:g.kv_lo + g.s2], True)
 
-    def replayed_call(self, p: AttentionProblem, kind: int, kd, own: bool) -> Optional[BackendResult]:
-        """_one_call for a replay (prefill/replay.py; own: _one_call_own's when it was prepared): None also where a
-        score overflowed (the full path then answers with the reference's numbers)."""
-        try:
-            return self._one_call(p, kind, kd, own)
-        except ScoreOverflow:
-            return None
-
     def replay(self, p: AttentionProblem, query, key, value, lengths: bool = False, extras: tuple = (),
                kv_axis: Optional[int] = None):
-        """fia.replay's prepared launch of p's call where one kernel call covers it (prefill/replay.py), else None."""
+        """fia.replay's prepared launch of p's call (prefill/replay.py: the stored problem's launch), or None."""
         return prefill_replay.prepare(self, p, self.plan(p), lengths, extras)
 
     def _one_call_kind(self, p: AttentionProblem, kd) -> Optional[int]:
