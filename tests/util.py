@@ -1,7 +1,7 @@
 """Test helpers: seeded random inputs, layout conversions, error metrics, NaN poisoning.
 
-Canonical tensors are [B, N, S, D] (SPEC 2). Only `run_dense` / `check_dense` touch fia (imported lazily);
-the reference is tests/naive.py.
+Canonical tensors are [B, N, S, D] (SPEC 2). Only `run_dense` / `check_dense` and `full_path` touch fia (imported
+lazily); the reference is tests/naive.py.
 """
 from __future__ import annotations
 
@@ -429,3 +429,47 @@ def fused_kwargs(n, kvn, layout, scale, *, lse=True, sparse_mode=0, inner_precis
         if value is not None:
             kw[name] = value
     return kw
+
+
+def full_path(fn, *args, **kw):
+    """fn(*args, **kw) without replay (fia.replay's key is never computed)."""
+    from fia import replay
+    saved = replay.key_of
+    replay.key_of = lambda *a: None
+    try:
+        return fn(*args, **kw)
+    finally:
+        replay.key_of = saved
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype, shape, strides and bits (NaN payloads included)."""
+    if a.dtype != b.dtype or a.shape != b.shape or a.stride() != b.stride():
+        return False
+    if a.is_floating_point():
+        it = {2: torch.int16, 4: torch.int32}[a.element_size()]
+        a, b = a.view(it), b.view(it)
+    return torch.equal(a, b)
+
+
+EXTREMES = ("nan_q", "inf_k", "nan_v", "huge_v", "q_max", "v_max")
+
+
+def plant_extreme(what: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Put one of EXTREMES into [B, N, S, D] q / k / v (S >= 21, N >= 4): a NaN, an infinity, V beyond the kernels'
+    safe range (2^110), a query row at the dtype's largest value (scores beyond float32's), V at it."""
+    big = torch.finfo(q.dtype).max
+    if what == "nan_q":
+        q[0, 1, 5, 3] = float("nan")
+    elif what == "inf_k":
+        k[0, 0, 9, 2] = float("inf")
+    elif what == "nan_v":
+        v[0, 1, 4, 0] = float("nan")
+    elif what == "huge_v":
+        v[0, 0, 6, :] = 2.0 ** 110
+    elif what == "q_max":
+        q[0, 2, 20, :] = big
+    elif what == "v_max":
+        v[0, 1, 0, :] = big
+    else:
+        raise ValueError(what)

@@ -26,7 +26,7 @@ from fia.backends.prefill import flash as prefill_flash
 from fia.backends import registry
 from fia.backends.prefill.plan import CAUSAL, FULL, MASKED, RCAUSAL, band_dead_rows, dead_row_ranges, plan_batch
 from fia.backends.prefill.pse import THRESH, needed_ranges
-from util import assert_close, assert_lse, gen, randmask, randn, seed_of, template_mask
+from util import EXTREMES, assert_close, assert_lse, gen, plant_extreme, randmask, randn, seed_of, template_mask
 
 BF16, F16, F32, F64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
 FIA = fia.npu_fused_infer_attention_score
@@ -424,7 +424,6 @@ def test_int8_kv_with_pse_skipping(tiles):
     golden_check(FIA, kw)
 
 
-EXTREMES = ("nan_q", "inf_k", "nan_v", "huge_v", "q_max", "v_max")
 # the own bf16 kernel where it runs natively (else it is emulated: slow, and covered by its own tests)
 KERNELS = ("aten", "own") if prefill_flash.ENABLED_DEFAULT or prefill_flash.HAS_DP else ("aten",)
 
@@ -443,18 +442,7 @@ def test_extreme_values_give_the_references_answer(kernel, B, mask, monkeypatch)
     for what in EXTREMES:
         g = gen(len(what) + B)
         q, k, v = randn((B, N, S, D), g, BF16), randn((B, KVN, S, D), g, BF16), randn((B, KVN, S, D), g, BF16)
-        if what == "nan_q":
-            q[0, 1, 5, 3] = float("nan")
-        elif what == "inf_k":
-            k[0, 0, 9, 2] = float("inf")
-        elif what == "nan_v":
-            v[0, 1, 4, 0] = float("nan")
-        elif what == "huge_v":
-            v[0, 0, 6, :] = 2.0 ** 110
-        elif what == "q_max":
-            q[0, 2, 11, :] = torch.finfo(BF16).max
-        else:
-            v[0, 1, 0, :] = torch.finfo(BF16).max
+        plant_extreme(what, q, k, v)
         kw = dict(num_heads=N, num_key_value_heads=KVN, input_layout="BNSD", scale=D ** -0.5, softmax_lse_flag=True)
         if mask == "causal":
             kw.update(sparse_mode=3, atten_mask=tmpl)

@@ -14,7 +14,7 @@ from fia.backends.decode import inputs as DEC_INPUTS, plan as DEC_PLAN
 from fia.parse import memo
 
 import naive
-from util import gen, randn, to_layout
+from util import bits_equal, full_path, gen, randn, to_layout
 
 pytestmark = [pytest.mark.skipif(not DEC.numba_available(), reason="numba not installed"),
               pytest.mark.backends("decode")]      # only the decode backend offers replays (conftest)
@@ -27,25 +27,6 @@ def fresh(monkeypatch, fia_backend):
     monkeypatch.setattr(memo, "_TRIAL", 1 << 30)
     replay.clear()
     monkeypatch.setattr(replay, "stats", {"admitted": 0, "refused": 0, "replayed": 0})
-
-
-def full_path(fn, *args, **kw):
-    """The same call without replay (its key is never computed)."""
-    saved = replay.key_of
-    replay.key_of = lambda *a: None
-    try:
-        return fn(*args, **kw)
-    finally:
-        replay.key_of = saved
-
-
-def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape or a.stride() != b.stride():
-        return False
-    if a.is_floating_point():
-        it = {2: torch.int16, 4: torch.int32}[a.element_size()]
-        a, b = a.view(it), b.view(it)
-    return torch.equal(a, b)
 
 
 def inputs(seed, B, N, KV_N, Q_S, S, D, dtype, layout):

@@ -10,7 +10,7 @@ from fia.backends import registry
 from fia.backends.prefill import backend as PB
 from fia.parse import memo
 
-from util import from_layout, gen, randn, to_layout
+from util import bits_equal, from_layout, full_path, gen, plant_extreme, randn, to_layout
 
 pytestmark = pytest.mark.backends("prefill")
 
@@ -23,25 +23,6 @@ def fresh(monkeypatch, fia_backend):
     monkeypatch.setattr(memo, "_TRIAL", 1 << 30)
     replay.clear()
     monkeypatch.setattr(replay, "stats", {"admitted": 0, "refused": 0, "replayed": 0})
-
-
-def full_path(fn, *args, **kw):
-    """The same call without replay (its key is never computed)."""
-    saved = replay.key_of
-    replay.key_of = lambda *a: None
-    try:
-        return fn(*args, **kw)
-    finally:
-        replay.key_of = saved
-
-
-def bits_equal(a, b) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape or a.stride() != b.stride():
-        return False
-    if a.is_floating_point():
-        it = {2: torch.int16, 4: torch.int32}[a.element_size()]
-        a, b = a.view(it), b.view(it)
-    return torch.equal(a, b)
 
 
 def call(q, k, v, kw):
@@ -152,12 +133,8 @@ def test_calls_the_replay_does_not_serve_take_the_full_path(monkeypatch):
         q, k, v = randn((1, N, S, D), g, BF16), randn((1, KV_N, S + 8, D), g, BF16), randn((1, KV_N, S + 8, D), g, BF16)
         kw = dict(num_heads=N, num_key_value_heads=KV_N, input_layout="BNSD", scale=D ** -0.5, softmax_lse_flag=True,
                   sparse_mode=3, atten_mask=TEMPLATE, actual_seq_lengths_kv=[S - 5 if what == "lengths" else S])
-        if what == "nan_v":
-            v[0, 1, 3, 7] = float("nan")
-        elif what == "huge_v":
-            v[0, 0, 2, :] = 2.0 ** 110
-        elif what == "q_max":
-            q[0, 3, 20, :] = torch.finfo(BF16).max
+        if what in ("nan_v", "huge_v", "q_max"):
+            plant_extreme(what, q, k, v)
         elif what == "tuning":
             monkeypatch.setattr(registry.by_name("prefill"), "block_q", 16)
         (got_o, got_l), (want_o, want_l) = call(q, k, v, kw)
