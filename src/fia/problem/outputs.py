@@ -22,7 +22,7 @@ def final_outputs(p: AttentionProblem, out: torch.Tensor, lse) -> tuple:
     """(attention_out, softmax_lse) of an unquantized canonical output [B, N, Q_S, Dv] / [N, T, Dv] and lse
     [B, N, Q_S] / [N, T] (None: not computed): the output dtype and layout, the lse float32 [B, N, Q_S, 1] /
     [T, N, 1] where it is wanted, else an empty float32 tensor (SPEC 2, 13)."""
-    return from_canonical(out.to(p.out_dtype), p.layout.out), final_lse(p, lse)
+    return from_canonical(out if out.dtype == p.out_dtype else out.to(p.out_dtype), p.layout.out), final_lse(p, lse)
 
 
 def final_lse(p: AttentionProblem, lse) -> torch.Tensor:

@@ -123,6 +123,7 @@ class PrefillPlan(NamedTuple):
     out_dtype: torch.dtype          # the canonical output's (the compute dtype where the output is quantized)
     one_call: Optional[int]         # FULL / CAUSAL: one kernel call may cover the problem (_one_call); else None
     batches: tuple                  # the batches with query rows and keys
+    direct: bool = False            # _one_call's window: views of the canonical tensors (_direct)
 
 
 # the backend's kernel sets (fia.cpu.jit), their warm-up calls in fia.kernel_warmup (made through the public API)
@@ -179,13 +180,14 @@ class PrefillBackend(Backend):
         kd = _kernel_dtype(p)
         out_dt = p.compute_dtype if p.out_quant is not None else p.out_dtype
         batches = tuple(b for b, g in enumerate(p.geometry) if g.s1 != 0 and g.s2 != 0)
-        return PrefillPlan(kd, out_dt, self._one_call_kind(p, kd), batches)
+        one = self._one_call_kind(p, kd)
+        return PrefillPlan(kd, out_dt, one, batches, one is not None and _direct(p, kd))
 
     def launch(self, p: AttentionProblem, plan: PrefillPlan, own: Optional[bool] = None) -> BackendResult:
         """own: _one_call_own's answer where the caller kept it (a replay)."""
         try:
             if plan.one_call is not None:
-                direct = self._one_call(p, plan.one_call, plan.kernel_dtype, own)     # (its results checked)
+                direct = self._one_call(p, plan.one_call, plan.kernel_dtype, own, plan.direct)   # (results checked)
                 if direct is not None:
                     return direct
             cd = p.compute_dtype
@@ -231,12 +233,13 @@ class PrefillBackend(Backend):
             return None
         return seg.kind
 
-    def _one_call(self, p: AttentionProblem, kind: int, kd, own: Optional[bool] = None) -> Optional[BackendResult]:
+    def _one_call(self, p: AttentionProblem, kind: int, kd, own: Optional[bool] = None,
+                  direct: Optional[bool] = None) -> Optional[BackendResult]:
         """One kernel call over p's whole window (kind: _one_call_kind's): return the kernel's own output (what
-        SDPA would), no zero-filled buffer and no copy; None where the result needs the general path. own:
-        _one_call_own's answer where the caller kept it."""
+        SDPA would), no zero-filled buffer and no copy; None where the result needs the general path. own /
+        direct: _one_call_own's / _direct's answers where the caller has them."""
         g = p.geometry[0]
-        q, k, v = _window(p, g, kd)                            # [1, N, S1, D], [1, KV_N, S2, D] x 2
+        q, k, v = _window(p, g, kd, direct)                    # [1, N, S1, D], [1, KV_N, S2, D] x 2
         bias = None
         if p.pse is not None:
             bias = p.pse[:1, :, g.q_lo:g.q_hi, g.kv_lo:g.kv_lo + g.s2]
@@ -454,16 +457,26 @@ def _keys(p: AttentionProblem, b: int, g, kd):
     return batch_keys(p, b, g, kd)
 
 
-def _window(p: AttentionProblem, g, kd):
-    """Batch 0's window for one kernel call (_one_call): q [1, N, S1, D], k / v [1, KV_N, S2, D] -- views of the
-    canonical tensors where nothing needs converting (the usual call), else batch_query / _keys' tensors."""
+def _direct(p: AttentionProblem, kd) -> bool:
+    """Whether batch 0's window (_window) is a view of the canonical tensors: nothing to convert or join."""
     q, kv = p.query, p.kv
-    if kv.kind == "dense" and p.antiquant is None and p.prefix is None and kv.key_rope is None and \
-            p.query_rope is None and p.query_dequant is None and q.dtype == kd and kv.key.dtype == kd and \
-            kv.value.dtype == kd and q.shape[-1] == kv.value.shape[-1]:
+    return (kv.kind == "dense" and p.antiquant is None and p.prefix is None and kv.key_rope is None and
+            p.query_rope is None and p.query_dequant is None and q.dtype == kd and kv.key.dtype == kd and
+            kv.value.dtype == kd and q.shape[-1] == kv.value.shape[-1])
+
+
+def _window(p: AttentionProblem, g, kd, direct: Optional[bool] = None):
+    """Batch 0's window for one kernel call (_one_call): q [1, N, S1, D], k / v [1, KV_N, S2, D] -- views of the
+    canonical tensors where nothing needs converting (the usual call; the tensors themselves where the window is
+    all of them), else batch_query / _keys' tensors. direct: _direct's answer where the caller has it."""
+    if direct if direct is not None else _direct(p, kd):
         unit = prefill_flash.unit_last
-        k, v = kv.key[:1, :, g.kv_lo:g.kv_hi], kv.value[:1, :, g.kv_lo:g.kv_hi]
-        return unit(q[:1, :, g.q_lo:g.q_hi]), unit(k), unit(v)
+        q, k, v = p.query, p.kv.key, p.kv.value
+        if g.q_lo or g.q_hi != q.shape[2] or q.shape[0] != 1:
+            q = q[:1, :, g.q_lo:g.q_hi]
+        if g.kv_lo or g.kv_hi != k.shape[2] or k.shape[0] != 1:
+            k, v = k[:1, :, g.kv_lo:g.kv_hi], v[:1, :, g.kv_lo:g.kv_hi]
+        return unit(q), unit(k), unit(v)
     q, k, v = _same_head_dim(batch_query(p, 0, g, kd), *_keys(p, 0, g, kd))   # (D == Dv here: strides only)
     return q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
 
