@@ -42,7 +42,8 @@ again. Only successful calls are admitted, and only the second time their parse 
 a memo_key), after a trial: the replay runs once on the admitting call's tensors and its outputs must equal
 the full path's bit for bit, with the same shapes, strides and dtypes -- else the key is marked never to
 replay. A replay that runs the full path's own launch on the stored problem (`trial = False`: the prefill
-backend's, backends/prefill/replay.py) is admitted without one. A replay returns None when its preparation went stale (e.g. the backend's tuning constants
+backend's, backends/prefill/replay.py) is admitted without one, from the first call of its key (the backend's
+`replay_trial = False`): a model's prefill then replays from its second layer on. A replay returns None when its preparation went stale (e.g. the backend's tuning constants
 changed); the call then takes the full path.
 """
 from __future__ import annotations
@@ -235,13 +236,14 @@ def admit(key: tuple, ran, q, k, v, results: tuple, kw: dict) -> None:
         return
     problem, backend = ran
     lens, ax = key[_LENS], key[_AXIS]
+    first = not getattr(backend, "replay_trial", True)     # replays that need no trial (prefill): the first call
     if lens is not None or ax is not None:
-        if key not in _SEEN:                       # a one-off call: no trial (it would run the kernels twice)
+        if key not in _SEEN and not first:         # a one-off call: no trial (it would run the kernels twice)
             _SEEN.put(key)
             return
         if lens is not None and not any(kw[lens]):     # no key at all: nothing to plan a launch on -- a later call
             return
-    elif problem.memo_key is None:                 # not yet memoized: maybe the next time
+    elif problem.memo_key is None and not first:   # not yet memoized: maybe the next time
         return
     r = backend.replay(problem, q, k, v, lengths=lens is not None or ax is not None, extras=_extras(key, kw),
                        kv_axis=ax)                 # (Backend.replay: None where the backend offers none)

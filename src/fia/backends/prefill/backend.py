@@ -136,6 +136,8 @@ jit.register(jit.KernelSet("prefill-pse", "fia.backends.prefill.pse_kernels", ("
 class PrefillBackend(Backend):
     name = "prefill"
     priority = PRIORITY_PREFILL
+    replay_trial = False        # its replays run the full path's launch (prefill/replay.py): fia.replay admits them
+    #                             from the first call of their key, without a trial
     capabilities = Capabilities(
         devices=("cpu",), decode=False, full_quant=False, numba="no (FIA's own kernel: yes)",
         why={"decode": "decode (Q_S = 1): this backend covers prefill (Q_S > 1) only",
