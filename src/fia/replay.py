@@ -41,10 +41,10 @@ parse/memo.py, relies on the same fact), so a call equal in all of it to one tha
 again. Only successful calls are admitted, and only the second time their parse is memoized (the problem has
 a memo_key), after a trial: the replay runs once on the admitting call's tensors and its outputs must equal
 the full path's bit for bit, with the same shapes, strides and dtypes -- else the key is marked never to
-replay. A replay that runs the full path's own launch on the stored problem (`trial = False`: the prefill
-backend's, backends/prefill/replay.py) is admitted without one, from the first call of its key (the backend's
-`replay_trial = False`): a model's prefill then replays from its second layer on. A replay returns None when its preparation went stale (e.g. the backend's tuning constants
-changed); the call then takes the full path.
+replay. A backend whose replays run the full path's own launch on the stored problem (`replay_trial = False`:
+the prefill backend, backends/prefill/replay.py) has them admitted without one, from the first call of their key:
+a model's prefill then replays from its second layer on. A replay returns None when its preparation went stale
+(e.g. the backend's tuning constants changed); the call then takes the full path.
 """
 from __future__ import annotations
 
@@ -141,13 +141,12 @@ def key_of(name: str, q, k, v, kw: dict) -> Optional[tuple]:
                 x = tuple(x)
                 if not all(type(i) is int for i in x):
                     return None
-            elif bt is not None and x is bt:           # a paged cache's table: its metadata (ids: per call)
+            elif (bt is not None and x is bt) or (n == "atten_mask" and type(x) is _Tensor and
+                                                  type(kw.get("sparse_mode")) is int and
+                                                  kw["sparse_mode"] in _TEMPLATE_MODES):
+                # a paged cache's table (its ids: per call), the template of sparse modes 2-4 (parse reads no more of
+                # it): their metadata
                 if type(x) is not _Tensor or not x.is_cpu or x.layout != torch.strided:
-                    return None
-                x = (x.dtype, x.shape, x.stride())
-            elif type(x) is _Tensor and n == "atten_mask" and type(kw.get("sparse_mode")) is int \
-                    and kw["sparse_mode"] in _TEMPLATE_MODES:
-                if not x.is_cpu or x.layout != torch.strided:  # the template: parse reads its metadata alone
                     return None
                 x = (x.dtype, x.shape, x.stride())
             elif type(x) is _Tensor and n in _TENSOR_ARGS:     # its metadata; the tensor goes to the replay
@@ -236,7 +235,7 @@ def admit(key: tuple, ran, q, k, v, results: tuple, kw: dict) -> None:
         return
     problem, backend = ran
     lens, ax = key[_LENS], key[_AXIS]
-    first = not getattr(backend, "replay_trial", True)     # replays that need no trial (prefill): the first call
+    first = not backend.replay_trial               # replays that need no trial (prefill): from the first call
     if lens is not None or ax is not None:
         if key not in _SEEN and not first:         # a one-off call: no trial (it would run the kernels twice)
             _SEEN.put(key)
@@ -247,7 +246,7 @@ def admit(key: tuple, ran, q, k, v, results: tuple, kw: dict) -> None:
         return
     r = backend.replay(problem, q, k, v, lengths=lens is not None or ax is not None, extras=_extras(key, kw),
                        kv_axis=ax)                 # (Backend.replay: None where the backend offers none)
-    if r is not None and not getattr(r, "trial", True):    # the full path's own launch (prefill): no trial
+    if r is not None and first:                    # the full path's own launch (prefill): no trial
         ok = True
     else:
         got = None if r is None else _replayed(r, key, q, k, v, kw)

@@ -111,6 +111,7 @@ class BackendResult:
 class Backend:
     name: str = "?"
     priority: int = 0                 # higher runs first (the PRIORITY_* ranks below)
+    replay_trial: bool = True         # fia.replay admits its replays after a trial run (False: see fia.replay)
     capabilities: Capabilities = Capabilities()
 
     @property

@@ -202,13 +202,12 @@ class PrefillBackend(Backend):
         except ScoreOverflow:
             return ReferenceBackend().run(p)
 
-    def _one_call_own(self, p: AttentionProblem, kd) -> Optional[bool]:
+    def _one_call_own(self, p: AttentionProblem, plan: PrefillPlan) -> Optional[bool]:
         """Whether _one_call runs FIA's own kernel on p (its metadata decide); None without a one-call plan."""
-        if self._one_call_kind(p, kd) is None:
+        if plan.one_call is None:
             return None
         g = p.geometry[0]
-        q, k, v = _window(p, g, kd)
-        return _own(q, k, v, None if p.pse is None else p.pse[:1, :, g.q_lo:g.q_hi, g.kv_lo:g.kv_lo + g.s2], True)
+        return _own(*_window(p, g, plan.kernel_dtype, plan.direct), _window_bias(p, g), True)
 
     def replay(self, p: AttentionProblem, query, key, value, lengths: bool = False, extras: tuple = (),
                kv_axis: Optional[int] = None):
@@ -242,9 +241,7 @@ class PrefillBackend(Backend):
         direct: _one_call_own's / _direct's answers where the caller has them."""
         g = p.geometry[0]
         q, k, v = _window(p, g, kd, direct)                    # [1, N, S1, D], [1, KV_N, S2, D] x 2
-        bias = None
-        if p.pse is not None:
-            bias = p.pse[:1, :, g.q_lo:g.q_hi, g.kv_lo:g.kv_lo + g.s2]
+        bias = _window_bias(p, g)
         st = {}
         o, l = _flash(q, k, v, 0.0, kind == CAUSAL, attn_mask=bias, scale=p.scale, stats=st, small_aten=True,
                       own=own)
@@ -481,6 +478,11 @@ def _window(p: AttentionProblem, g, kd, direct: Optional[bool] = None):
         return unit(q), unit(k), unit(v)
     q, k, v = _same_head_dim(batch_query(p, 0, g, kd), *_keys(p, 0, g, kd))   # (D == Dv here: strides only)
     return q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+
+
+def _window_bias(p: AttentionProblem, g) -> Optional[torch.Tensor]:
+    """pse_shift over batch 0's window (_window): [1, N, S1, S2], or None."""
+    return None if p.pse is None else p.pse[:1, :, g.q_lo:g.q_hi, g.kv_lo:g.kv_lo + g.s2]
 
 
 def _same_head_dim(q, k, v):

@@ -242,7 +242,7 @@ def unit_last(x: torch.Tensor) -> torch.Tensor:
 
 class _Launch(NamedTuple):
     """What flash() derives from its arguments' metadata alone (_launch_of: kept per metadata). Its arrays are
-    only read by the kernels (pa / fa: copied per call, addresses filled in)."""
+    only read by the kernels (fa is copied where a call brings its own output or masks, or no taming)."""
     dims: tuple             # Bq, N, L, D, S, Dv
     kp: tuple               # (shape, dtype) of the packed key tiles
     vp: tuple               # ... of the value tiles

@@ -36,8 +36,6 @@ def _tuning(backend) -> tuple:
 class PrefillReplay:
     """A prefill call's replay (see the module doc): __call__ -> (out, lse) as the full path's, or None."""
 
-    trial = False               # fia.replay.admit: the full path's own launch, no trial run
-
     def __init__(self, backend, p: AttentionProblem, plan, lens: Optional[tuple]):
         self.backend, self.plan = backend, plan
         self.template = p.evolve(query=None, kv=None)         # (no tensors kept alive)
@@ -45,7 +43,7 @@ class PrefillReplay:
         self.kv_s = p.KV_S
         self.inp, self.n, self.kv_n = p.layout.inp, p.N, p.KV_N
         self.tuning = _tuning(backend)
-        self.own = backend._one_call_own(p, plan.kernel_dtype)     # (the one call's kernel: metadata only)
+        self.own = backend._one_call_own(p, plan)             # (the one call's kernel: metadata only)
 
     def stale(self) -> bool:
         return _tuning(self.backend) != self.tuning
