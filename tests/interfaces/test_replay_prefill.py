@@ -163,16 +163,17 @@ def test_inputs_that_require_grad_get_no_history_from_a_replay():
     assert replay.stats["replayed"] >= 2, replay.stats
 
 
-@pytest.mark.parametrize("mask", ["none", "ones"])
+@pytest.mark.parametrize("mask", ["none", "ones", "non-causal"])
 def test_the_transformers_attention_function_replays_a_prefill_exactly(mask, monkeypatch):
     """The transformers integration's prefill call (its guard on fia.replay.Site): every layer's call, new data
-    each, equals the full path bit for bit, and the layers after admission replay."""
+    each, equals the full path bit for bit, and the layers after admission replay from the site's table."""
     transformers = pytest.importorskip("transformers")  # noqa: F841
     from fia.integrations.transformers import common
     from fia.integrations.transformers.attention import fia_attention_forward
+    monkeypatch.setattr(common, "_SITE", replay.Site("npu_fused_infer_attention_score", "test"))
 
     class Layer(torch.nn.Module):
-        is_causal = True
+        is_causal = mask != "non-causal"
     B, N, KV_N, S, D = 1, 8, 2, 40, 64
     attn = None
     if mask == "ones":                                   # transformers' 4-D bool mask: all allowed, causal
@@ -187,4 +188,4 @@ def test_the_transformers_attention_function_replays_a_prefill_exactly(mask, mon
                 fia.npu_fused_infer_attention_score, q, k, v, **kw))
             want, _ = fia_attention_forward(Layer(), q, k, v, attn, scaling=D ** -0.5)
         assert bits_equal(got, want), layer
-    assert replay.stats["replayed"] >= 3, replay.stats
+    assert replay.stats["replayed"] >= 3 and len(common._SITE.table) == 1, (replay.stats, len(common._SITE.table))

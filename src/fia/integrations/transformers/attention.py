@@ -15,7 +15,6 @@ _UNGUARDED = frozenset({"kv_padding_size", "atten_mask", "learnable_sink", "quer
 # keyword arguments of a prefill call its guard covers (_prefill_guard): scalars, the lengths, the template mask
 _PREFILL_GUARDED = frozenset({"sparse_mode", "pre_tokens", "next_tokens", "actual_seq_lengths_kv", "atten_mask"})
 _PREFILL_DATA = frozenset({"actual_seq_lengths_kv", "atten_mask"})     # (in the guard by name, not value)
-_TEMPLATE = object()
 # keyword arguments transformers passes that no FIA argument depends on: a call with only these may take its lane
 _INERT = frozenset({"position_ids", "use_cache", "cache_position"})
 
@@ -85,7 +84,7 @@ def fia_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
     if q_len == 1 and not portable and _UNGUARDED.isdisjoint(kw):      # a decode step: fia.replay.Site's guard
         guard = _guard(n, kv_n, scale, kw)
     elif q_len > 1 and not portable and _PREFILL_GUARDED.issuperset(kw) and \
-            kw.get("atten_mask", _TEMPLATE) is template(query.device):   # a prefill call repeated by every layer
+            kw.get("atten_mask", tmpl := template(query.device)) is tmpl:   # a prefill call repeated by every layer
         guard = _prefill_guard(n, kv_n, scale, kw)
     kw.update(num_heads=n, num_key_value_heads=kv_n, input_layout=layout, scale=scale)
     out, _ = models.call(query, key, value, kw, portable, guard, None if layer is None or q_len > 1 else layer.lane)
