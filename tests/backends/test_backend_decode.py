@@ -246,6 +246,35 @@ def test_head_dims(d, kind, layout):
     compare((to_layout(q, layout), to_layout(k, layout), to_layout(v, layout)), kw)
 
 
+@pytest.mark.parametrize("touch", [True, False], ids=["touch", "no-touch"])
+@pytest.mark.parametrize("kind", ["bf16", "fp16", "int8"])
+def test_items_of_all_kv_heads_with_and_without_the_touch_pass(kind, touch, monkeypatch):
+    """Token-major K / V (BSND: an item covers all KV heads, decode.kernels.params.IP_HB) with the touch pass
+    (DP_TOUCH: the default, but on AMD Zen 4) and without it, small calls prefetching as large ones, split KV and
+    uneven lengths, against the reference; fia.explain says which ran."""
+    from fia.backends.decode import kernels as K
+    monkeypatch.setattr(K, "DP_FLAGS", (K.DP_FLAGS | K.DP_TOUCH) if touch else (K.DP_FLAGS & ~K.DP_TOUCH))
+    monkeypatch.setattr(DEC_PLAN, "PREFETCH_MIN_BYTES", -1)
+    monkeypatch.setattr(DEC_PLAN, "MIN_SPLIT", 64)
+    g = gen("touch", kind, touch)
+    b, n, kvn, s, d = 2, 12, 3, 300, 64
+    lens = [300, 173]
+    dt = F16 if kind == "fp16" else BF16
+    q = randn((b, n, 1, d), g, dt)
+    kw = dict(num_heads=n, num_key_value_heads=kvn, input_layout="BSND", scale=1 / math.sqrt(d),
+              softmax_lse_flag=True, actual_seq_lengths_kv=lens)
+    if kind == "int8":
+        k, v = rint8((b, kvn, s, d), g), rint8((b, kvn, s, d), g)
+        kw.update(antiquant_scale=runif((2, 1), g, 0.004, 0.02, dt), antiquant_mode=0)
+    else:
+        k, v = poison_kv(randn((b, kvn, s, d), g, dt), lens), poison_kv(randn((b, kvn, s, d), g, dt), lens)
+    args = tuple(to_layout(x, "BSND") for x in (q, k, v))
+    compare(args, kw)
+    text = str(fia.explain(*args, **kw))
+    assert f"{kvn} KV heads per item" in text
+    assert ("each chunk's rows read front to back first" in text) == touch
+
+
 @pytest.mark.parametrize("chunk", [32768, 65536 + 64 * 3])
 @pytest.mark.parametrize("mode", ["chan", "tok"])
 def test_int8_long_chunks(mode, chunk, monkeypatch):

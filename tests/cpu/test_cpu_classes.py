@@ -24,16 +24,21 @@ EMULATED = {
                           "+amx-tile,+amx-bf16,+amx-int8"),
 }
 VENDOR = {1: "AMD", 2: "Intel", 3: "AMD", 4: "Intel"}
-_CHILD = "import json; from fia.cpu.classes import cpu_class; c = cpu_class(); print(json.dumps([c.number, c.vendor]))"
+# the decode kernels' per-CPU defaults on each class's emulated CPU: (prefetch policy, touch pass for items of all
+# KV heads) -- decode.kernels.params PREFETCH_DEFAULT / TOUCH_DEFAULT (AMD Zen 4 runs without the touch pass)
+DECODE_CHOICES = {1: ("nta-v", True), 2: ("t1", True), 3: ("t1", False), 4: ("t1", True)}
+_CHILD = ("import json; from fia.cpu.classes import cpu_class; from fia.backends.decode.kernels import params as P; "
+          "c = cpu_class(); print(json.dumps([c.number, c.vendor, P.PREFETCH_POLICY, bool(P.DP_FLAGS & P.DP_TOUCH)]))")
 
 
 @pytest.mark.parametrize("number", sorted(EMULATED))
-def test_each_x86_class_is_recognized(number):
+def test_each_x86_class_is_recognized_with_its_decode_choices(number):
     name, feats = EMULATED[number]
-    env = dict(os.environ, NUMBA_CPU_NAME=name, NUMBA_CPU_FEATURES=feats)
+    env = {k: v for k, v in os.environ.items() if k not in ("FIA_DECODE_PREFETCH", "FIA_DECODE_TOUCH")}
+    env.update(NUMBA_CPU_NAME=name, NUMBA_CPU_FEATURES=feats)
     r = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert json.loads(r.stdout.strip().splitlines()[-1]) == [number, VENDOR[number]]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == [number, VENDOR[number], *DECODE_CHOICES[number]]
 
 
 def test_explain_names_the_class():

@@ -51,7 +51,8 @@ DP_NO_PV_K = 512
 # (touch_rows: demand loads, which the hardware prefetchers stream), then run each head's kernels on them from
 # the caches. One head's rows alone are 256 bytes every KV_N x 256 (BSH): no prefetcher streams that, and
 # software prefetches of them did not help (docs/performance.md, "Kernel choices: the measurements"). Left out for
-# launches that read at most PREFETCH_MIN_BYTES (likely cached), as the prefetch bits.
+# launches that read at most PREFETCH_MIN_BYTES (likely cached), as the prefetch bits, and by default on AMD Zen 4
+# (TOUCH_DEFAULT).
 DP_TOUCH = 1024
 # Which prefetch policy pays depends on the CPU: "nta+ahead" on AMD Zen 5 (AVX-512 and AVX-VNNI), "t1" on Zen 4
 # (AVX-512 without AVX-VNNI: nta+ahead ran dense bf16 at 0.76-0.82x of t1's speed) and on Intel (prefetchnta lines
@@ -82,10 +83,14 @@ AMX_MIN_ROWS = 8
 # of K and V at 8 heads of 128) with nothing to overlap; the heads' kernels request their own rows as for one head
 # (docs/performance.md, "Kernel choices: the measurements").
 DP_F32 = 2048
-# FIA_DECODE_TOUCH=0 turns DP_TOUCH off, FIA_DECODE_F32=0 DP_F32 (A / B measurements)
+# The touch pass by default everywhere but on AMD Zen 4 (AVX-512 without AVX-VNNI, the "t1" policy): there the
+# heads' own kernels, their rows requested as for one head, ran items of all KV heads without it in 0.87-1.03x
+# the time (bf16, paged; fp16 0.92-0.94x; int8 level) (docs/performance.md, "Token-major K / V: items of all KV heads").
+TOUCH_DEFAULT = not (target_has("sse4a", "avx512f") and not target_has("avxvnni"))
+# FIA_DECODE_TOUCH=0 / 1 turns DP_TOUCH off / on, FIA_DECODE_F32=0 DP_F32 off (A / B measurements)
 DP_FLAGS = ((DP_QK | DP_PV if HAS_DP else 0) | (DP_I8 if HAS_VNNI else 0) | (DP_AMX if HAS_AMX else 0)
             | (DP_EO if NARROW else 0) | PREFETCH_POLICIES[PREFETCH_POLICY]
-            | (0 if os.environ.get("FIA_DECODE_TOUCH", "1") == "0" else DP_TOUCH)
+            | (DP_TOUCH if {"0": False, "1": True}.get(os.environ.get("FIA_DECODE_TOUCH", ""), TOUCH_DEFAULT) else 0)
             | (0 if os.environ.get("FIA_DECODE_F32", "1") == "0" else DP_F32))
 AHEAD_BYTES = 8192              # 32 rows of bf16 / fp16 at D = 128, 63 of int8
 MASK_FILL = np.float32(-1e12)
