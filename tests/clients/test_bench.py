@@ -57,8 +57,19 @@ def test_tiny_cases_end_to_end(tmp_path):
     paths = report.write_all(records, FAKE.to_dict(), meta, str(tmp_path))
     data = json.loads(open(paths["json"]).read())
     assert {"meta", "ceilings", "cases"} <= data.keys() and len(data["cases"]) == len(TINY)
-    assert "| case |" in open(paths["markdown"]).read()
-    assert report.terminal_table(records, FAKE.to_dict()).count("tiny-") == len(TINY)
+    md = open(paths["markdown"]).read()
+    assert "| case |" in md
+    # each case names the kernel choices fia.explain gives for it, in the JSON and grouped below the table
+    for rec, case in zip(records, TINY):
+        if rec["fia"]["status"] == "ok":
+            inp = C.build(case)
+            mode = "portable" if inp.extra.get("portable") else fia.get_validation_mode()
+            with fia.use_backend(None), fia.validation_mode(mode):
+                assert rec["fia"]["kernels"] == fia.explain(*inp.fia_args(), **inp.fia_kwargs()).details
+    named = [r for r in records if r["fia"].get("kernels")]
+    assert named and all(f"- {r['fia']['kernels']}: " in md and r["name"] in md for r in named)
+    text = report.terminal_table(records, FAKE.to_dict())
+    assert text.count("tiny-") == len(TINY) + len(named)
     if "png" in paths:
         assert open(paths["png"], "rb").read(4) == b"\x89PNG"
 

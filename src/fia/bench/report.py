@@ -100,7 +100,19 @@ def markdown_table(columns: list[str], body: list[list[str]]) -> list[str]:
 
 def terminal_table(records: list[dict], ceilings: dict) -> str:
     lines = ceilings_lines(ceilings) + [""] + text_table(COLUMNS, rows(records), left=(0, 1, len(COLUMNS) - 1))
-    return "\n".join(lines)
+    return "\n".join(lines + [""] + kernel_lines(records))
+
+
+def kernel_lines(records: list[dict]) -> list[str]:
+    """FIA's kernel choices (fia.explain's line for the selected backend), each with the cases that run it."""
+    cases: dict = {}
+    for r in records:
+        k = r.get("fia", {}).get("kernels")
+        if k:
+            cases.setdefault(k, []).append(r["name"])
+    if not cases:
+        return []
+    return ["FIA's kernel choices on this CPU (fia.explain):"] + [f"- {k}: {', '.join(v)}" for k, v in cases.items()]
 
 
 NOTES = """\
@@ -135,6 +147,8 @@ def markdown(records: list[dict], ceilings: dict, meta: dict) -> str:
     out += [f"- {line}" for line in ceilings_lines(ceilings)]
     out += [f"- run: {meta.get('argv')} — {meta.get('duration_s', 0):.0f} s, {meta.get('started')}", ""]
     out += markdown_table(COLUMNS, rows(records, width=200))
+    kernels = kernel_lines(records)
+    out += (["", "## " + kernels[0].rstrip(":"), ""] + kernels[1:]) if kernels else []
     out += ["", "## Notes", "", NOTES]
     return "\n".join(out)
 

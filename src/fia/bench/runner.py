@@ -211,16 +211,19 @@ def _fia_call(fia, inp: C.Inputs, backend: Optional[str]) -> Callable[[], torch.
     return run_auto if auto and not inp.extra.get("portable") else run
 
 
-def _selected_backend(fia, inp: C.Inputs) -> Optional[str]:
-    """Name of the backend the automatic choice picks for this case (via fia.explain, when available)."""
+def _selected_backend(fia, inp: C.Inputs) -> tuple:
+    """(name of the backend the automatic choice picks for this case, how it runs it on this CPU: its kernel
+    choices) via fia.explain, when available; (None, None) otherwise."""
     explain = getattr(fia, "explain", None)
     if explain is None:
-        return None
+        return None, None
     try:
-        with fia.use_backend(None):
-            return explain(*inp.fia_args(), **inp.fia_kwargs()).selected
+        mode = "portable" if inp.extra.get("portable") else fia.get_validation_mode()
+        with fia.use_backend(None), fia.validation_mode(mode):
+            rep = explain(*inp.fia_args(), **inp.fia_kwargs())
+        return rep.selected, getattr(rep, "details", None)
     except Exception:
-        return None
+        return None, None
 
 
 def _probe_jit(fn: Callable[[], torch.Tensor]):
@@ -368,7 +371,7 @@ def run_case(case: C.Case, ceilings, opts: Options, fia, phase: Callable[[str], 
     check = rec["check"] = {"against": judge_name, "tol": tol}
 
     phase("fia")
-    backend = _selected_backend(fia, inp)
+    backend, kernels = _selected_backend(fia, inp)
     fia_fn = _fia_call(fia, inp, None)
     est_mb, avail = rec["reference"].get("est_peak_mb"), available_bytes()
     if (backend in (None, "reference") and est_mb is not None and avail is not None
@@ -376,7 +379,7 @@ def run_case(case: C.Case, ceilings, opts: Options, fia, phase: Callable[[str], 
         out, info, st = None, {}, f"skipped: needs ~{est_mb / 1024:.1f} GiB (est.)"
     else:
         out, info, st = _guard(fia, fia_fn)
-    rec["fia"] = {"status": st or "ok", "backend": backend, **info}
+    rec["fia"] = {"status": st or "ok", "backend": backend, "kernels": kernels, **info}
     if out is not None:
         err = rel_err(pick(out), judge)
         check.update(status="ok" if err <= tol else "wrong", rel_err=err)
