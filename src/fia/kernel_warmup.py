@@ -129,12 +129,25 @@ def run_prefill_pse() -> None:
         be.pse_skip_min = before
 
 
+def run_kv_int8() -> None:
+    """Compile the int8 KV cache's append (cpu/kv_append.py: one specialization, ints only)."""
+    from .cpu import kv_append
+    g = torch.Generator().manual_seed(2)
+    B, H, T, C, D = 1, 2, 3, 8, 32
+    codes, scales = torch.zeros(B, H, C, D, dtype=torch.int8), torch.ones(B, H, C)
+    for dt in kv_append.KINDS:
+        x = torch.randn(B, H, T, D, generator=g).to(dt)
+        kv_append.append_int8(x.data_ptr(), x.data_ptr(), kv_append.KINDS[dt], *x.stride(), *x.stride(), B, H, T,
+                              D, D, codes.data_ptr(), codes.data_ptr(), scales.data_ptr(), scales.data_ptr(), C, 0)
+
+
 def sets_for_this_cpu() -> List[str]:
     """The kernel sets the CPU's backends use (the own prefill kernel only where the CPU runs it)."""
     from .cpu import jit
     try:
         import numba  # noqa: F401
         from .backends.prefill import flash as prefill_flash
+        from .cpu import kv_append  # noqa: F401                 (its set: the int8 FiaCache's append)
     except Exception:                                     # no numba: the torch and reference backends only
         return []
     own = any(on() for on in prefill_flash.ENABLED_FOR.values())

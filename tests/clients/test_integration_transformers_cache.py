@@ -137,6 +137,34 @@ def test_int8_within_the_documented_tolerance(calls):
     assert all(isinstance(c["actual_seq_lengths_kv"], list) or "kv_padding_size" in c for c in decode)
 
 
+def test_int8_appends_by_the_compiled_pass_as_by_torch_ops(monkeypatch):
+    """The int8 cache appends through cpu/kv_append.py (one compiled pass per layer and step) and, where that does
+    not run, through quantize_int8's torch ops: the same codes, scales and logits (bf16 model, left padding)."""
+    from fia.cpu import kv_append
+    _, mine = _models(torch.bfloat16)
+    ids, mask = _batch(seed=6)
+    used = []
+    real = kv_append.append
+
+    def counted(*a):
+        used.append(real(*a))
+        return used[-1]
+    monkeypatch.setattr(kv_append, "append", counted)
+    fast_cache = FiaCache(mine.config, quantize="int8")
+    fast, ftok = _step_logits(mine, ids, mask, fast_cache, 4)
+    assert used and all(used)                              # every append took the compiled pass
+    monkeypatch.setattr(kv_append, "append", lambda *a: False)
+    torch_cache = FiaCache(mine.config, quantize="int8")
+    slow, stok = _step_logits(mine, ids, mask, torch_cache, 4)
+    assert torch.equal(fast, slow) and torch.equal(ftok, stok)
+    for a, b in zip(fast_cache.layers, torch_cache.layers):
+        n = a.length
+        assert n == b.length and torch.equal(a.keys[:, :, :n], b.keys[:, :, :n])
+        assert torch.equal(a.values[:, :, :n], b.values[:, :, :n])
+        assert torch.equal(a.key_scales[:, :, :n], b.key_scales[:, :, :n])
+        assert torch.equal(a.value_scales[:, :, :n], b.value_scales[:, :, :n])
+
+
 def test_decode_steps_are_one_signature_with_lengths(calls):
     _, mine = _models(torch.bfloat16)
     ids = torch.randint(0, COMMON["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(6))

@@ -16,7 +16,8 @@ at each growth only). ``capacity=`` preallocates (generate passes its maximum le
 ``cache_implementation``).
 
 ``quantize="int8"``: K and V are quantized when appended, symmetric int8 per token and KV head (scale = max |x| /
-127 over the head dim, float32 scales [B, KV_N, capacity]), and decode steps hand FIA the int8 buffers with the
+127 over the head dim, float32 scales [B, KV_N, capacity]; one compiled pass per layer and step, cpu/kv_append.py,
+and the same torch ops off the CPU or until it is compiled), and decode steps hand FIA the int8 buffers with the
 scales as per-token-per-head dequantization (key / value_antiquant_mode 3, SPEC 10): FIA's int8 decode kernels
 read half the bytes of bf16. A prefill over an empty cache attends over the unquantized states; a later call
 with several query tokens attends over the dequantized buffers. Tolerance: with random weights the logits stay
@@ -35,6 +36,7 @@ from typing import Optional
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from fia.cpu import kv_append
 from fia.replay import Lane
 
 BLOCK = 256                     # capacity granularity (positions)
@@ -132,7 +134,11 @@ class FiaLayer(CacheLayerMixin):
         t, n = key_states.shape[-2], self.length
         if n + t > self.capacity:
             self._allocate(_grown(n + t))
-        if self.quantize:
+        if not self.quantize:
+            self.keys[:, :, n:n + t] = key_states
+            self.values[:, :, n:n + t] = value_states
+        elif not kv_append.append(key_states, value_states, self.keys, self.values, self.key_scales,
+                                  self.value_scales, n):        # (one compiled pass where it runs: the same codes)
             if key_states.shape == value_states.shape:                 # one pass over both (a step's ops halved)
                 (kc, vc), (ksc, vsc) = quantize_int8(torch.stack((key_states, value_states)))
             else:
@@ -141,9 +147,6 @@ class FiaLayer(CacheLayerMixin):
             self.values[:, :, n:n + t] = vc
             self.key_scales[:, :, n:n + t] = ksc
             self.value_scales[:, :, n:n + t] = vsc
-        else:
-            self.keys[:, :, n:n + t] = key_states
-            self.values[:, :, n:n + t] = value_states
         self.length = n + t
         if self.quantize and t > 1:
             if fresh:
