@@ -273,6 +273,8 @@ def test_items_of_all_kv_heads_with_and_without_the_touch_pass(kind, touch, monk
     text = str(fia.explain(*args, **kw))
     assert f"{kvn} KV heads per item" in text
     assert ("each chunk's rows read front to back first" in text) == touch
+    if K.DP_FLAGS & K.DP_PREFETCH and not touch:     # without the pass each head requests its own rows ahead
+        assert ("rows ahead: K" + ("" if kind == "int8" else ", V")) in text
 
 
 @pytest.mark.parametrize("chunk", [32768, 65536 + 64 * 3])

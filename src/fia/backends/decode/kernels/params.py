@@ -84,8 +84,8 @@ AMX_MIN_ROWS = 8
 # (docs/performance.md, "Kernel choices: the measurements").
 DP_F32 = 2048
 # The touch pass by default everywhere but on AMD Zen 4 (AVX-512 without AVX-VNNI, the "t1" policy): there the
-# heads' own kernels, their rows requested as for one head, ran items of all KV heads without it in 0.87-1.03x
-# the time (bf16, paged; fp16 0.92-0.94x; int8 level) (docs/performance.md, "Token-major K / V: items of all KV heads").
+# heads' own kernels, each requesting its rows ahead (kernel_flags), ran items of all KV heads faster without it
+# (docs/performance.md, "Token-major K / V: items of all KV heads").
 TOUCH_DEFAULT = not (target_has("sse4a", "avx512f") and not target_has("avxvnni"))
 # FIA_DECODE_TOUCH=0 / 1 turns DP_TOUCH off / on, FIA_DECODE_F32=0 DP_F32 off (A / B measurements)
 DP_FLAGS = ((DP_QK | DP_PV if HAS_DP else 0) | (DP_I8 if HAS_VNNI else 0) | (DP_AMX if HAS_AMX else 0)
@@ -210,7 +210,10 @@ def kernel_flags(ip):
             f |= KF_NTA
         if (ip[IP_DP] & DP_NO_PV_K) == 0 or wide:      # PV requests the next chunk's K rows (see DP_NO_PV_K)
             f |= KF_PV_K
-        if (ip[IP_DP] & DP_AHEAD) != 0 or wide:        # own rows ahead (see DP_AHEAD): QK, PV except int8 V
+        # own rows ahead (see DP_AHEAD): QK, PV except int8 V; also for items of several KV heads without the touch
+        # pass (TOUCH_DEFAULT), whose rows of one head no hardware prefetcher streams
+        several = ip[IP_HB] > 1 and (ip[IP_DP] & DP_TOUCH) == 0
+        if (ip[IP_DP] & DP_AHEAD) != 0 or wide or several:
             f |= KF_AHEAD_K
             if v_kind != KIND_I8:
                 f |= KF_AHEAD_V
