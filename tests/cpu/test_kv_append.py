@@ -79,6 +79,8 @@ def test_tensors_it_does_not_take_are_left_to_the_caller():
         "another head dim": lambda b: (k[..., :16], v, *b, 0),
         "strided codes buffer": lambda b: (k, v, b[0].transpose(2, 3).contiguous().transpose(2, 3), *b[1:], 0),
         "float16 scales": lambda b: (k, v, b[0], b[1], b[2].half(), b[3], 0),
+        "no tokens": lambda b: (k[:, :, :0], v[:, :, :0], *b, 0),
+        "sparse states": lambda b: (k.to_sparse(), v, *b, 0),
     }
     for what, args in cases.items():
         b = buffers()

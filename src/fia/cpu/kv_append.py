@@ -15,6 +15,7 @@ jit.register(jit.KernelSet(SET, "fia.cpu.kv_append_kernels", ("append_int8",), "
 def _takes(states: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, B: int, H: int, T: int, C: int) -> bool:
     """Whether append_int8 may write the states [B, H, T, D] into codes [B, H, C, D] / scales [B, H, C]."""
     return (states.device.type == "cpu" and codes.device.type == "cpu" and scales.device.type == "cpu"
+            and states.layout == torch.strided and states.numel() > 0
             and codes.dim() == 4 and codes.shape[:3] == (B, H, C) and states.shape == (B, H, T, codes.shape[3])
             and scales.shape == (B, H, C) and codes.dtype == torch.int8 and scales.dtype == torch.float32
             and codes.is_contiguous() and scales.is_contiguous())
@@ -25,7 +26,8 @@ def append(key_states: torch.Tensor, value_states: torch.Tensor, keys: torch.Ten
     """append_int8 on tensors: states [B, H, T, D] / [B, H, T, Dv] (float32, bf16 or fp16, any strides) into the
     codes [B, H, C, D] / [B, H, C, Dv] and scales [B, H, C] at positions [n, n + T). False, with nothing written,
     where the kernel is not compiled yet (its background build is requested) or the tensors are not what it
-    takes (CPU, those dtypes and shapes, contiguous buffers, positions inside them): the caller's torch ops run."""
+    takes (CPU, strided and not empty, those dtypes and shapes, contiguous buffers, positions inside them): the
+    caller's torch ops run."""
     kind = KINDS.get(key_states.dtype)
     if kind is None or value_states.dtype != key_states.dtype or key_states.dim() != 4 or keys.dim() != 4:
         return False
