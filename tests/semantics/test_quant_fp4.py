@@ -246,6 +246,42 @@ def test_paged_decode(cache):
           **mode6(e8m0(ke[None]), e8m0(ve[None])))
 
 
+@pytest.mark.backend_independent
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+def test_decode_on_the_float32_fma_kernels(paged, monkeypatch):
+    """CPUs without AVX512-BF16 run FP4 K / V through the build with the generic paths: each chunk decoded to bf16
+    rows, then the float32 FMA kernel (decode.kernels.items._qk_loops / _pv_loops), forced here by clearing the dp
+    bits: chunks of several 64-row blocks and a remainder, split KV, the prefetch requests on, dense and paged,
+    against the oracle; fia.explain says so."""
+    pytest.importorskip("numba")
+    from fia.backends.decode import kernels as K, plan as DEC_PLAN
+    monkeypatch.setattr(K, "DP_FLAGS", K.DP_FLAGS & ~(K.DP_QK | K.DP_PV | K.DP_AMX))
+    monkeypatch.setattr(DEC_PLAN, "PREFETCH_MIN_BYTES", -1)
+    monkeypatch.setattr(DEC_PLAN, "MIN_SPLIT", 128)     # (items of ~150 keys: sub-blocks 64, 64, 22)
+    g = gen(650 + paged)
+    d, act = 128, [300, 141]
+    s = max(act)
+    q = randn((B, N, 1, d), g, BF16)
+    ke, ve = rand_exps((B, KVN, 512, d // GROUP), g, act), rand_exps((B, KVN, 512, d // GROUP), g, act)
+    kc, vc = rand_bytes((B, KVN, s, d // 2), g), rand_bytes((B, KVN, s, d // 2), g)
+    kw = dict(layout="BNSD")
+    kin, vin = fp4(kc), fp4(vc)
+    if paged:                                           # each batch's rows in its own blocks of 64, in order
+        bs = 64
+        mb = (s + bs - 1) // bs
+        pool = lambda x: torch.nn.functional.pad(x, (0, 0, 0, mb * bs - s)).reshape(B, KVN, mb, bs, d // 2) \
+            .permute(0, 2, 1, 3, 4).reshape(B * mb, KVN, bs, d // 2).contiguous()   # noqa: E731
+        kin, vin = fp4(pool(kc)), fp4(pool(vc))
+        kw.update(block_table=torch.arange(B * mb, dtype=torch.int32).reshape(B, mb), block_size=bs)
+    with fia.use_backend("decode"):
+        check(q, kin, vin, dequant64(kc, ke[:, :, :s]), dequant64(vc, ve[:, :, :s]), act,
+              **mode6(e8m0(ke[None]), e8m0(ve[None])), **kw)
+        text = str(fia.explain(q, kin, vin, num_heads=N, num_key_value_heads=KVN, input_layout="BNSD",
+                               actual_seq_lengths_kv=act, **{k: v for k, v in kw.items() if k != "layout"},
+                               **mode6(e8m0(ke[None]), e8m0(ve[None]))))
+    assert "QK float32 FMA, PV float32 FMA, software prefetch" in text and "decoded to bf16 a chunk at a time" in text
+
+
 # ---------------------------------------------------------------------------------------------- invalid calls
 def _call(**over):
     """A valid dense mode-6 decode call (BNSD, D = 64), with `over` replacing arguments."""

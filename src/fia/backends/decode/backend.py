@@ -172,10 +172,13 @@ def _kernel_names(K, launch: Launch) -> str:
         if f & fma:
             return f"{step} float32 FMA" + (" (bf16 in even / odd halves)" if f & eo else
                                             " on float32 rows" if launch.ip[kind] == K.KIND_F32 else "")
+        if launch.ip[kind] == K.KIND_FP4:          # (the generic build: each chunk decoded, then the FMA kernel)
+            return f"{step} float32 FMA"
         return f"{step} generic float32 loops"
     parts = [one("QK", K.KF_DP_QK, K.KF_I8_QK, K.KF_FMA_QK, K.KF_AMX_QK, K.KF_EO_QK, K.IP_K_KIND),
              one("PV", K.KF_DP_PV, K.KF_I8_PV, K.KF_FMA_PV, K.KF_AMX_PV, K.KF_EO_PV, K.IP_V_KIND)]
-    ir = f & (K.KF_DP_QK | K.KF_I8_QK | K.KF_FMA_QK)        # (the generic loops never prefetch)
+    fp4 = int(launch.ip[K.IP_K_KIND]) == K.KIND_FP4
+    ir = f & (K.KF_DP_QK | K.KF_I8_QK | K.KF_FMA_QK) or fp4        # (the generic loops never prefetch)
     if f & K.KF_PREFETCH and ir:
         how = ["nta" if f & K.KF_NTA else "t1"] + ([] if f & K.KF_PV_K else ["V rows only"])
         ahead = [n for n, b in (("K", K.KF_AHEAD_K), ("V", K.KF_AHEAD_V)) if f & b]
@@ -186,8 +189,9 @@ def _kernel_names(K, launch: Launch) -> str:
         parts.append(f"no software prefetch (at most {decode_plan.PREFETCH_MIN_BYTES >> 10} KiB of K / V: likely cached)")
     if launch.ip[K.IP_K_FS] or launch.ip[K.IP_V_FS]:
         parts.append("NZ cache: each chunk's fragments packed into rows first")
-    if int(launch.ip[K.IP_K_KIND]) == K.KIND_FP4:
-        parts.append(f"FP4 K / V decoded to bf16 {K.FP4_SUB} rows at a time")
+    if fp4:
+        parts.append(f"FP4 K / V decoded to bf16 {K.FP4_SUB} rows at a time" if f & K.KF_DP_QK else
+                     "FP4 K / V decoded to bf16 a chunk at a time")
     hb = int(launch.ip[K.IP_HB])
     if hb > 1:
         parts.append(f"{hb} KV heads per item" + (", each chunk's rows read front to back first"
