@@ -137,8 +137,7 @@ def run_kv_int8() -> None:
     codes, scales = torch.zeros(B, H, C, D, dtype=torch.int8), torch.ones(B, H, C)
     for dt in kv_append.KINDS:
         x = torch.randn(B, H, T, D, generator=g).to(dt)
-        kv_append.append_int8(x.data_ptr(), x.data_ptr(), kv_append.KINDS[dt], *x.stride(), *x.stride(), B, H, T,
-                              D, D, codes.data_ptr(), codes.data_ptr(), scales.data_ptr(), scales.data_ptr(), C, 0)
+        kv_append.launch(x, x, codes, codes, scales, scales, 0)
 
 
 def sets_for_this_cpu() -> List[str]:

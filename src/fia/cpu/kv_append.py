@@ -28,8 +28,8 @@ def append(key_states: torch.Tensor, value_states: torch.Tensor, keys: torch.Ten
     where the kernel is not compiled yet (its background build is requested) or the tensors are not what it
     takes (CPU, strided and not empty, those dtypes and shapes, contiguous buffers, positions inside them): the
     caller's torch ops run."""
-    kind = KINDS.get(key_states.dtype)
-    if kind is None or value_states.dtype != key_states.dtype or key_states.dim() != 4 or keys.dim() != 4:
+    if key_states.dtype not in KINDS or value_states.dtype != key_states.dtype or key_states.dim() != 4 \
+            or keys.dim() != 4:
         return False
     (B, H, C), T = keys.shape[:3], key_states.shape[2]
     if not (0 <= n and n + T <= C and _takes(key_states, keys, key_scales, B, H, T, C)
@@ -38,7 +38,13 @@ def append(key_states: torch.Tensor, value_states: torch.Tensor, keys: torch.Ten
     if not jit.ready((SET,)):
         jit.request((SET,))
         return False
-    append_int8(key_states.data_ptr(), value_states.data_ptr(), kind, *key_states.stride(), *value_states.stride(),
-                B, H, T, keys.shape[3], values.shape[3], keys.data_ptr(), values.data_ptr(), key_scales.data_ptr(),
-                value_scales.data_ptr(), C, n)
+    launch(key_states, value_states, keys, values, key_scales, value_scales, n)
     return True
+
+
+def launch(key_states, value_states, keys, values, key_scales, value_scales, n: int) -> None:
+    """append_int8 on tensors append() has checked (or the warm-up's), compiling it where it is not yet."""
+    B, H, T, _ = key_states.shape
+    append_int8(key_states.data_ptr(), value_states.data_ptr(), KINDS[key_states.dtype], *key_states.stride(),
+                *value_states.stride(), B, H, T, keys.shape[3], values.shape[3], keys.data_ptr(), values.data_ptr(),
+                key_scales.data_ptr(), value_scales.data_ptr(), keys.shape[2], n)
