@@ -163,11 +163,14 @@ CASES = [  # B, N, KV_N, L, S, D, Dv, causal, mask[, band]
 # bf16: tested wherever the kernel runs natively, also where it is not the default (CPUs with AMX, whose
 # bf16 prefill goes to ATen's kernel): the autouse fixture below turns it on for these tests
 BF16_RUNS = PF.ENABLED or (PF.HAS_DP and os.environ.get("FIA_PREFILL_OWN", "") != "0")
+# float16 likewise where it runs natively but ATen's kernel is the default (CPUs with AVX512-FP16)
+F16_RUNS = PF.ENABLED_F16 or (PF.F16_NATIVE and os.environ.get("FIA_PREFILL_OWN", "") != "0")
 
 
 @pytest.fixture(autouse=True)
 def _bf16_on(monkeypatch):
     monkeypatch.setattr(PF, "ENABLED", BF16_RUNS)
+    monkeypatch.setattr(PF, "ENABLED_F16", F16_RUNS)
     monkeypatch.setattr(PF, "PARALLEL_MIN_FLOPS", 0)              # small calls on every thread too
 
 
@@ -199,7 +202,7 @@ def test_small_calls_run_on_one_thread(monkeypatch):
         torch.set_num_threads(threads)
 
 
-DTYPES = [d for d, on in ((torch.bfloat16, BF16_RUNS), (torch.float16, PF.ENABLED_F16),
+DTYPES = [d for d, on in ((torch.bfloat16, BF16_RUNS), (torch.float16, F16_RUNS),
                            (torch.float32, PF.ENABLED_F32)) if on]
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 2e-5}
 
@@ -208,6 +211,23 @@ TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 2e-5}
 @pytest.mark.parametrize("dt", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_flash_matches_float64(case, dt):
+    _flash_case(case, dt)
+
+
+# where the CPU has AVX512-BF16 the bf16 GEMMs run vdpbf16ps or bf16 widened to float32 FMAs, by vendor
+# (BF16_DP): the form this CPU does not choose, on the cases of several tiles, GQA, bands and masks
+OTHER_BF16_FORM = [not PF.BF16_DP] if BF16_RUNS and PF.HAS_DP else []
+
+
+@pytest.mark.parametrize("dp", OTHER_BF16_FORM, ids=lambda d: "vdpbf16ps" if d else "widened")
+@pytest.mark.parametrize("case", [CASES[i] for i in (1, 2, 7, 8, 12)], ids=lambda c: "-".join(map(str, c)))
+def test_flash_bf16_other_gemm_form_matches_float64(case, dp, monkeypatch):
+    monkeypatch.setattr(PF, "BF16_DP", dp)
+    assert ("vdpbf16ps)" in PF.variant()) == dp
+    _flash_case(case, torch.bfloat16)
+
+
+def _flash_case(case, dt):
     B, N, H, L, S, D, Dv, causal, mk = case[:9]
     band = case[9] if len(case) > 9 else None
     torch.manual_seed(hash(case) % 1000)
@@ -269,6 +289,8 @@ def test_bf16_default_follows_amx():
     assert PF.AMX_BF16 == target_has("amx-tile", "amx-bf16")
     assert PF.AVX2 == (not target_has("avx512f") and target_has("avx2", "fma", "f16c"))
     assert PF.ENABLED_DEFAULT == ((PF.HAS_DP and not PF.AMX_BF16) or PF.AVX2)
+    assert PF.ENABLED_F16_DEFAULT == ((PF.F16C and target_has("avx512f") and not target_has("avx512fp16"))
+                                      or PF.AVX2)
 
 
 def test_eligibility():

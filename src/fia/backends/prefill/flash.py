@@ -8,9 +8,10 @@ A drop-in for the calls backend.py makes to ATen's CPU flash kernel, with the sa
     out = softmax(S) V with float32 accumulators; bf16: the probabilities rounded to bf16 before the PV
     product (`vdpbf16ps`, as ATen and the hardware); float16: K / V widened to float32 in registers, float32
     probabilities and FMAs (no fp16 dot product on the CPUs measured; as the decode backend's fp16 path);
-    float32 (portable inputs, dequantized int8 K / V): the same float32 FMAs. On AVX2 CPUs bf16 keeps that
-    contract with float32 FMAs: the query widened (exact), the probabilities rounded to bf16 values before PV,
-    K / V widened in registers (products of bf16 values are exact in float32, as in `vdpbf16ps`).
+    float32 (portable inputs, dequantized int8 K / V): the same float32 FMAs. Where vdpbf16ps is missing or
+    slower (BF16_DP: AVX2, AVX-512 without BF16, Intel) bf16 keeps that contract with float32 FMAs: the query
+    widened (exact), the probabilities rounded to bf16 values before PV, K / V widened in registers (products
+    of bf16 values are exact in float32, as in `vdpbf16ps`).
 Differences: a row with no finite score gets lse -inf (ATen reports 0), and Dv may differ from D.
 
 Why: on the measured machine ATen's kernel runs the benchmark's bf16 prefill at ~35 % of the bf16 matmul
@@ -23,7 +24,8 @@ scheduling, causal items longest first.
 
 `eligible` says when the kernel applies: CPU tensors, bf16 / float16 / float32 q / k / v (mask / bias in the
 same dtype), head dims multiples of 64; bf16 where the CPU has AVX512-BF16 and no AMX-BF16 (ATen's kernel uses
-the tiles there, ~5x faster), float16 where it has AVX-512 and F16C, float32 where it has AVX-512; all three on
+the tiles there, ~5x faster), float16 where it has AVX-512 and F16C but not AVX512-FP16 (ATen's kernel is faster
+there), float32 where it has AVX-512; all three on
 CPUs without AVX-512 that have AVX2, FMA and F16C (the 8-lane variant)
 (FIA_PREFILL_OWN=1 forces all, emulated where the instructions are missing; =0 turns the kernel off).
 `small_for_aten`: whole bf16 calls of at most SMALL_ATEN_POSITIONS query x key pairs per head, where the CPU has
@@ -52,8 +54,8 @@ ROWS_PER_ITEM = 96  # query rows (GQA heads x positions) per work item
 # (docs/performance.md, "Work split"): below this, two threads were slower than one
 PARALLEL_MIN_FLOPS = 8e8
 # FIA_PREFILL_OWN: "0" never use this kernel, "1" always where eligible (emulated without F16C);
-# unset: bf16 where the CPU has AVX-512 but not AMX-BF16 (vdpbf16ps with AVX512-BF16, else widened to float32
-# FMAs: gemm_bf16w), float16 where it has AVX-512 and F16C, float32
+# unset: bf16 where the CPU has AVX-512 but not AMX-BF16 (vdpbf16ps on AMD with AVX512-BF16, else widened to
+# float32 FMAs: gemm_bf16w; BF16_DP), float16 where it has AVX-512 and F16C but not AVX512-FP16, float32
 # with AVX-512; all three without AVX-512 where AVX2, FMA and F16C are there (AVX2). With AMX, ATen's flash
 # kernel runs its bf16 GEMMs on the tiles, faster than this kernel; without AVX-512, the 8-lane GEMMs, where ATen's
 # kernel only matches SDPA (docs/performance.md, "Prefill on AVX2 CPUs" and "Kernel choices: the measurements").
@@ -62,9 +64,20 @@ AMX_BF16 = target_has("amx-tile", "amx-bf16")
 AVX2 = NARROW and target_has("avx2", "fma", "f16c")
 ENABLED_DEFAULT = (target_has("avx512f") and not AMX_BF16) or AVX2
 ENABLED = {"0": False, "1": True}.get(_MODE, ENABLED_DEFAULT)
-ENABLED_F16 = {"0": False, "1": True}.get(_MODE, (F16C and target_has("avx512f")) or AVX2)
+# float16 not where the CPU has AVX512-FP16 (Sapphire Rapids and later): ATen's kernel multiplies float16 natively
+# there and ran every float16 case faster (Emerald Rapids, S = 2048: causal 0.98x SDPA against 0.81x, pse 0.98x
+# against 0.63x, causal pse 1.53x against 1.03x, band 2.64x against 2.3x)
+F16_NATIVE = F16C and target_has("avx512f")          # the kernel runs float16 without emulation
+ENABLED_F16_DEFAULT = (F16_NATIVE and not target_has("avx512fp16")) or AVX2
+ENABLED_F16 = {"0": False, "1": True}.get(_MODE, ENABLED_F16_DEFAULT)
 ENABLED_F32 = {"0": False, "1": True}.get(_MODE, target_has("avx512f") or AVX2)
 ENABLED_FOR = {torch.bfloat16: lambda: ENABLED, torch.float16: lambda: ENABLED_F16, torch.float32: lambda: ENABLED_F32}
+# BF16_DP: the bf16 GEMMs multiply with vdpbf16ps (gemm_bf16) rather than widen bf16 to float32 FMAs (gemm_bf16w).
+# Where each is faster depends on the core, not the instruction set: AMD Zen 4 / 5 issue one 512-bit FMA a cycle
+# and vdpbf16ps at twice that multiply rate; Intel's two 512-bit FMA ports outrun its vdpbf16ps (Emerald Rapids,
+# one core, in L2: 89 against 145-155 GFLOP/s; whole causal calls 1.5x faster widened). The default follows the
+# vendor (sse4a: AMD only); FIA_PREFILL_DP=0 / 1 forces it where HAS_DP (docs/performance.md, "CPU classes").
+BF16_DP = HAS_DP and {"0": False, "1": True}.get(os.environ.get("FIA_PREFILL_DP", ""), target_has("sse4a"))
 
 
 # A bf16 call of at most this many (query, key) positions per head runs faster on ATen's kernel where the CPU has
@@ -261,7 +274,7 @@ def _launch_of(q, k, v, is_causal: bool, band) -> _Launch:
     """flash()'s launch for these tensors' metadata: ~90 us of Python per call on a small call (S = 32) before it
     was kept; the tuning constants read here are part of the key (tests set them)."""
     key = (q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), is_causal, band,
-           torch.get_num_threads(), ROWS_PER_ITEM, PARALLEL_MIN_FLOPS, KT, NARROW, HAS_DP)
+           torch.get_num_threads(), ROWS_PER_ITEM, PARALLEL_MIN_FLOPS, KT, NARROW, BF16_DP)
     lc = _LAUNCHES.get(key)
     if lc is None:
         lc = _LAUNCHES.put(key, _launch(q, k, v, is_causal, band))
@@ -275,7 +288,7 @@ def _launch(q, k, v, is_causal: bool, band) -> _Launch:
     G = N // H
     nt = (S + KT - 1) // KT
     f16 = q.dtype != torch.bfloat16                          # uint16 elements are float16 (or float32 elements)
-    wide = f16 or NARROW or not HAS_DP                       # float32 query rows and probabilities
+    wide = f16 or NARROW or not BF16_DP                      # float32 query rows and probabilities
     threads = max(1, torch.get_num_threads())
     big = L + S + 1
     pre, nxt = (big, big) if band is None else (max(min(int(band[0]), big), -big), max(min(int(band[1]), big), -big))
@@ -333,4 +346,7 @@ def variant() -> str:
         return "AVX2 + FMA: 8-lane float32 FMAs, 6 x 16 register blocks (cpu/gemm_narrow.py)"
     if not HAS_DP:
         return "AVX-512 without BF16: 16-lane, 6 x 64 register blocks, bf16 widened to float32 FMAs (cpu/gemm.py)"
+    if not BF16_DP:
+        return ("AVX-512 with BF16: 16-lane, 6 x 64 register blocks, bf16 widened to float32 FMAs (cpu/gemm.py; "
+                "faster than vdpbf16ps on this CPU)")
     return "AVX-512: 16-lane, 6 x 64 register blocks (cpu/gemm.py; bf16 vdpbf16ps)"
