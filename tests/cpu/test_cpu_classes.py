@@ -15,30 +15,41 @@ from fia.cpu.classes import cpu_class
 
 pytestmark = pytest.mark.backend_independent      # process-level: run once (conftest)
 
-# class -> (Numba CPU name, features): what a CPU of the class offers (the kernels' choices read only these)
+# the classes' CPUs: (class, vendor, Numba CPU name, features: what the CPU offers, the kernels' choices read only
+# these, and the decode kernels' per-CPU defaults there: prefetch policy, touch pass for items of all KV heads --
+# decode.kernels.params PREFETCH_DEFAULT / TOUCH_DEFAULT: the touch pass only where the policy is not "t1")
 EMULATED = {
-    1: ("znver3", "+avx,+avx2,+fma,+f16c,+sse4.2,+sse4a"),
-    2: ("icelake-server", "+avx,+avx2,+fma,+f16c,+avx512f,+avx512bw,+avx512vl,+avx512vnni"),
-    3: ("znver4", "+avx,+avx2,+fma,+f16c,+sse4a,+avx512f,+avx512bw,+avx512vl,+avx512vnni,+avx512bf16"),
-    4: ("sapphirerapids", "+avx,+avx2,+fma,+f16c,+avx512f,+avx512bw,+avx512vl,+avx512vnni,+avx512bf16,"
-                          "+amx-tile,+amx-bf16,+amx-int8"),
+    "1-amd": (1, "AMD", "znver3", "+avx,+avx2,+fma,+f16c,+sse4.2,+sse4a", "nta-v", True),
+    "1-intel": (1, "Intel", "skylake", "+avx,+avx2,+fma,+f16c,+sse4.2", "t1", False),
+    "2-intel": (2, "Intel", "icelake-server", "+avx,+avx2,+fma,+f16c,+avx512f,+avx512bw,+avx512vl,+avx512vnni",
+                "t1", False),
+    "3-amd": (3, "AMD", "znver4", "+avx,+avx2,+fma,+f16c,+sse4a,+avx512f,+avx512bw,+avx512vl,+avx512vnni,+avx512bf16",
+              "t1", False),
+    "3-amd-zen5": (3, "AMD", "znver4", "+avx,+avx2,+fma,+f16c,+sse4a,+avx512f,+avx512bw,+avx512vl,+avx512vnni,"
+                   "+avx512bf16,+avxvnni", "nta+ahead", True),
+    "3-intel": (3, "Intel", "sapphirerapids", "+avx,+avx2,+fma,+f16c,+avx512f,+avx512bw,+avx512vl,+avx512vnni,"
+                "+avx512bf16,+avx512fp16,+avxvnni", "t1", False),
+    "4-intel": (4, "Intel", "sapphirerapids", "+avx,+avx2,+fma,+f16c,+avx512f,+avx512bw,+avx512vl,+avx512vnni,"
+                "+avx512bf16,+avx512fp16,+avxvnni,+amx-tile,+amx-bf16,+amx-int8", "t1", False),
 }
-VENDOR = {1: "AMD", 2: "Intel", 3: "AMD", 4: "Intel"}
-# the decode kernels' per-CPU defaults on each class's emulated CPU: (prefetch policy, touch pass for items of all
-# KV heads) -- decode.kernels.params PREFETCH_DEFAULT / TOUCH_DEFAULT (AMD Zen 4 runs without the touch pass)
-DECODE_CHOICES = {1: ("nta-v", True), 2: ("t1", True), 3: ("t1", False), 4: ("t1", True)}
 _CHILD = ("import json; from fia.cpu.classes import cpu_class; from fia.backends.decode.kernels import params as P; "
-          "c = cpu_class(); print(json.dumps([c.number, c.vendor, P.PREFETCH_POLICY, bool(P.DP_FLAGS & P.DP_TOUCH)]))")
+          "from fia.backends.prefill import flash as F; c = cpu_class(); print(json.dumps([c.number, c.vendor, "
+          "P.PREFETCH_POLICY, bool(P.DP_FLAGS & P.DP_TOUCH), F.BF16_DP, F.ENABLED_F16]))")
+# the prefill kernel's choices: bf16 by vdpbf16ps on AMD only (BF16_DP), float16 on ATen's kernel where the CPU has
+# AVX512-FP16 (ENABLED_F16)
 
 
-@pytest.mark.parametrize("number", sorted(EMULATED))
-def test_each_x86_class_is_recognized_with_its_decode_choices(number):
-    name, feats = EMULATED[number]
-    env = {k: v for k, v in os.environ.items() if k not in ("FIA_DECODE_PREFETCH", "FIA_DECODE_TOUCH")}
+@pytest.mark.parametrize("cpu", sorted(EMULATED))
+def test_each_x86_class_is_recognized_with_its_kernel_choices(cpu):
+    number, vendor, name, feats, policy, touch = EMULATED[cpu]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("FIA_DECODE_PREFETCH", "FIA_DECODE_TOUCH", "FIA_DECODE_DP", "FIA_PREFILL_DP", "FIA_PREFILL_OWN")}
     env.update(NUMBA_CPU_NAME=name, NUMBA_CPU_FEATURES=feats)
     r = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert json.loads(r.stdout.strip().splitlines()[-1]) == [number, VENDOR[number], *DECODE_CHOICES[number]]
+    bf16_dp = number == 3 and vendor == "AMD"
+    own_f16 = "avx512fp16" not in feats
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == [number, vendor, policy, touch, bf16_dp, own_f16]
 
 
 def test_explain_names_the_class():

@@ -83,10 +83,11 @@ AMX_MIN_ROWS = 8
 # of K and V at 8 heads of 128) with nothing to overlap; the heads' kernels request their own rows as for one head
 # (docs/performance.md, "Kernel choices: the measurements").
 DP_F32 = 2048
-# The touch pass by default everywhere but on AMD Zen 4 (AVX-512 without AVX-VNNI, the "t1" policy): there the
-# heads' own kernels, each requesting its rows ahead (kernel_flags), ran items of all KV heads faster without it
-# (docs/performance.md, "Token-major K / V: items of all KV heads").
-TOUCH_DEFAULT = not (target_has("sse4a", "avx512f") and not target_has("avxvnni"))
+# The touch pass by default only where the prefetch policy is not "t1" (AMD Zen 3 and Zen 5): under "t1" (AMD
+# Zen 4, Intel) the heads' own kernels, each requesting its rows ahead (kernel_flags), ran items of all KV heads
+# faster without it (Zen 4: 1.07-1.14x; Intel Emerald Rapids: 1.27-1.46x; docs/performance.md, "Token-major K / V:
+# items of all KV heads").
+TOUCH_DEFAULT = PREFETCH_DEFAULT != "t1"
 # FIA_DECODE_TOUCH=0 / 1 turns DP_TOUCH off / on, FIA_DECODE_F32=0 DP_F32 off (A / B measurements)
 DP_FLAGS = ((DP_QK | DP_PV if HAS_DP else 0) | (DP_I8 if HAS_VNNI else 0) | (DP_AMX if HAS_AMX else 0)
             | (DP_EO if NARROW else 0) | PREFETCH_POLICIES[PREFETCH_POLICY]
