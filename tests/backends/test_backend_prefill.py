@@ -51,7 +51,7 @@ def tiles(request, monkeypatch):
         # the own bf16 kernel also where it is not the default (CPUs with AMX: ATen's kernel, the "aten" tiles)
         monkeypatch.setattr(prefill_flash, "ENABLED", True)
     if prefill_flash.F16_NATIVE and os.environ.get("FIA_PREFILL_OWN", "") != "0":
-        monkeypatch.setattr(prefill_flash, "ENABLED_F16", True)     # (CPUs with AVX512-FP16: ATen's by default)
+        monkeypatch.setattr(prefill_flash, "ENABLED_F16", True)     # (Intel's AVX-512 CPUs: ATen's by default)
     if request.param == "aten":                                    # ATen's kernel for bf16 / fp16 / float32 too
         monkeypatch.setattr(prefill_flash, "ENABLED", False)
         monkeypatch.setattr(prefill_flash, "ENABLED_F16", False)

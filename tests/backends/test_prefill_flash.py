@@ -163,7 +163,7 @@ CASES = [  # B, N, KV_N, L, S, D, Dv, causal, mask[, band]
 # bf16: tested wherever the kernel runs natively, also where it is not the default (CPUs with AMX, whose
 # bf16 prefill goes to ATen's kernel): the autouse fixture below turns it on for these tests
 BF16_RUNS = PF.ENABLED or (PF.HAS_DP and os.environ.get("FIA_PREFILL_OWN", "") != "0")
-# float16 likewise where it runs natively but ATen's kernel is the default (CPUs with AVX512-FP16)
+# float16 likewise where it runs natively but ATen's kernel is the default (Intel's AVX-512 CPUs)
 F16_RUNS = PF.ENABLED_F16 or (PF.F16_NATIVE and os.environ.get("FIA_PREFILL_OWN", "") != "0")
 
 
@@ -289,8 +289,7 @@ def test_bf16_default_follows_amx():
     assert PF.AMX_BF16 == target_has("amx-tile", "amx-bf16")
     assert PF.AVX2 == (not target_has("avx512f") and target_has("avx2", "fma", "f16c"))
     assert PF.ENABLED_DEFAULT == ((PF.HAS_DP and not PF.AMX_BF16) or PF.AVX2)
-    assert PF.ENABLED_F16_DEFAULT == ((PF.F16C and target_has("avx512f") and not target_has("avx512fp16"))
-                                      or PF.AVX2)
+    assert PF.ENABLED_F16_DEFAULT == ((PF.F16C and target_has("avx512f", "sse4a")) or PF.AVX2)
 
 
 def test_eligibility():

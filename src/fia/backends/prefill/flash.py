@@ -24,8 +24,8 @@ scheduling, causal items longest first.
 
 `eligible` says when the kernel applies: CPU tensors, bf16 / float16 / float32 q / k / v (mask / bias in the
 same dtype), head dims multiples of 64; bf16 where the CPU has AVX512-BF16 and no AMX-BF16 (ATen's kernel uses
-the tiles there, ~5x faster), float16 where it has AVX-512 and F16C but not AVX512-FP16 (ATen's kernel is faster
-there), float32 where it has AVX-512; all three on
+the tiles there, ~5x faster), float16 where it has AVX-512 and F16C on AMD (ATen's kernel is faster on Intel),
+float32 where it has AVX-512; all three on
 CPUs without AVX-512 that have AVX2, FMA and F16C (the 8-lane variant)
 (FIA_PREFILL_OWN=1 forces all, emulated where the instructions are missing; =0 turns the kernel off).
 `small_for_aten`: whole bf16 calls of at most SMALL_ATEN_POSITIONS query x key pairs per head, where the CPU has
@@ -55,7 +55,7 @@ ROWS_PER_ITEM = 96  # query rows (GQA heads x positions) per work item
 PARALLEL_MIN_FLOPS = 8e8
 # FIA_PREFILL_OWN: "0" never use this kernel, "1" always where eligible (emulated without F16C);
 # unset: bf16 where the CPU has AVX-512 but not AMX-BF16 (vdpbf16ps on AMD with AVX512-BF16, else widened to
-# float32 FMAs: gemm_bf16w; BF16_DP), float16 where it has AVX-512 and F16C but not AVX512-FP16, float32
+# float32 FMAs: gemm_bf16w; BF16_DP), float16 where it has AVX-512 and F16C on AMD, float32
 # with AVX-512; all three without AVX-512 where AVX2, FMA and F16C are there (AVX2). With AMX, ATen's flash
 # kernel runs its bf16 GEMMs on the tiles, faster than this kernel; without AVX-512, the 8-lane GEMMs, where ATen's
 # kernel only matches SDPA (docs/performance.md, "Prefill on AVX2 CPUs" and "Kernel choices: the measurements").
@@ -64,11 +64,12 @@ AMX_BF16 = target_has("amx-tile", "amx-bf16")
 AVX2 = NARROW and target_has("avx2", "fma", "f16c")
 ENABLED_DEFAULT = (target_has("avx512f") and not AMX_BF16) or AVX2
 ENABLED = {"0": False, "1": True}.get(_MODE, ENABLED_DEFAULT)
-# float16 not where the CPU has AVX512-FP16 (Sapphire Rapids and later): ATen's kernel multiplies float16 natively
-# there and ran every float16 case faster (Emerald Rapids, S = 2048: causal 0.98x SDPA against 0.81x, pse 0.98x
-# against 0.63x, causal pse 1.53x against 1.03x, band 2.64x against 2.3x)
+# float16 with AVX-512 on AMD only: on Intel's AVX-512 CPUs ATen's kernel ran every float16 case faster (its
+# float32 GEMMs on two 512-bit FMA ports; the own kernel's softmax and packing weigh more there). Emerald Rapids,
+# S = 2048, own / ATen's x SDPA: causal 0.81 / 0.98, pse 0.63 / 0.98, causal pse 1.03 / 1.53, band 2.3 / 2.64; with
+# Ice Lake's instruction set on that host: causal 0.82 / 0.99, pse 0.62 / 1.00. AMD Zen 4: own 1.75x SDPA (causal)
 F16_NATIVE = F16C and target_has("avx512f")          # the kernel runs float16 without emulation
-ENABLED_F16_DEFAULT = (F16_NATIVE and not target_has("avx512fp16")) or AVX2
+ENABLED_F16_DEFAULT = (F16_NATIVE and target_has("sse4a")) or AVX2
 ENABLED_F16 = {"0": False, "1": True}.get(_MODE, ENABLED_F16_DEFAULT)
 ENABLED_F32 = {"0": False, "1": True}.get(_MODE, target_has("avx512f") or AVX2)
 ENABLED_FOR = {torch.bfloat16: lambda: ENABLED, torch.float16: lambda: ENABLED_F16, torch.float32: lambda: ENABLED_F32}
