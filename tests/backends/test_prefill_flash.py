@@ -410,10 +410,13 @@ def test_flash_reads_strided_views_tames_v_and_reports_its_findings(dt):
 @pytest.mark.skipif(not (BF16_RUNS and PF.HAS_DP), reason="AVX512-BF16 and the own bf16 kernel")
 @pytest.mark.parametrize("S,own", [(48, False), (64, False), (65, True), (200, True)])
 def test_small_bf16_calls_take_aten_s_kernel(S, own, monkeypatch):
-    """A whole bf16 call of at most SMALL_ATEN_POSITIONS positions per head runs on ATen's kernel (faster there on
-    AVX512-BF16 CPUs), larger ones on the own kernel; both give the float64 reference's numbers."""
+    """A whole bf16 call of at most small_aten_limit(D) positions per head runs on ATen's kernel (faster there on
+    AVX512-BF16 CPUs), larger ones on the own kernel; both give the float64 reference's numbers. The limit set
+    here to 64 x 64 at D = 64 (the AMD one)."""
     import fia
     monkeypatch.setattr(PF, "ENABLED", True)
+    monkeypatch.setattr(PF, "SMALL_ATEN_POSITIONS", 64 * 64)
+    monkeypatch.setattr(PF, "SMALL_ATEN_D64", 1)
     ran = []
     real = PF.flash
     monkeypatch.setattr(PF, "flash", lambda *a, **k: ran.append(1) or real(*a, **k))

@@ -58,7 +58,7 @@ _aten_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 def _own(q, k, v, attn_mask, small_aten: bool) -> bool:
     """Whether _flash runs FIA's own kernel on these tensors (their metadata decide)."""
     return prefill_flash.eligible(q, k, v, attn_mask) and \
-        not (small_aten and prefill_flash.small_for_aten(q.dtype, q.shape[-2], k.shape[-2]))
+        not (small_aten and prefill_flash.small_for_aten(q.dtype, q.shape[-2], k.shape[-2], q.shape[-1]))
 
 
 def _flash(q, k, v, dropout: float, is_causal: bool, attn_mask=None, scale=None, stats: Optional[dict] = None,
@@ -168,9 +168,10 @@ class PrefillBackend(Backend):
         on = prefill_flash.ENABLED_FOR.get(kd)
         name = str(kd).replace('torch.', '')
         if on is not None and on() and self._one_call_kind(p, kd) is not None and \
-                prefill_flash.small_for_aten(kd, p.geometry[0].s1, p.geometry[0].s2):     # (_one_call's window)
+                prefill_flash.small_for_aten(kd, p.geometry[0].s1, p.geometry[0].s2, p.D):     # (_one_call's window)
             return (f"kernel: ATen's CPU flash kernel in {name} (a whole call of at most "
-                    f"{prefill_flash.SMALL_ATEN_POSITIONS} query x key pairs per head: faster there than FIA's own kernel)")
+                    f"{prefill_flash.small_aten_limit(p.D)} query x key pairs per head: faster there than FIA's own "
+                    "kernel)")
         if on is not None and on():
             return (f"kernel: FIA's own flash kernel in {name}, "
                     f"{prefill_flash.variant()} (head dims multiples of 64; else ATen's CPU flash kernel)")

@@ -28,7 +28,7 @@ the tiles there, ~5x faster), float16 where it has AVX-512 and F16C on AMD (ATen
 float32 where it has AVX-512; all three on
 CPUs without AVX-512 that have AVX2, FMA and F16C (the 8-lane variant)
 (FIA_PREFILL_OWN=1 forces all, emulated where the instructions are missing; =0 turns the kernel off).
-`small_for_aten`: whole bf16 calls of at most SMALL_ATEN_POSITIONS query x key pairs per head, where the CPU has
+`small_for_aten`: whole bf16 calls of at most small_aten_limit(D) query x key pairs per head, where the CPU has
 AVX512-BF16, run faster on ATen's kernel; the backend sends its whole-window calls there.
 """
 from __future__ import annotations
@@ -85,14 +85,23 @@ BF16_DP = HAS_DP and {"0": False, "1": True}.get(os.environ.get("FIA_PREFILL_DP"
 # AVX512-BF16 (ATen's bf16 GEMMs are native there): the own kernel's items compute 24 positions x G heads and
 # 64-key blocks whatever the call's size. Whole calls, 2-core Zen 4, alternating, own / ATen: L = S = 32 1.44-1.77,
 # 64 1.34-1.53, 96 1.12-1.15, 128 0.67-1.24 (8 / 2 x 64 and 32 / 8 x 128; float16: 1.03-1.05 at 32-64, kept own).
+# On Intel the crossover lies far higher, and higher still for head dim 64 (Emerald Rapids, causal whole calls,
+# alternating, own / ATen: 8 / 2 x 64: L = S = 32 2.14, 128 1.86, 256 1.33, 512 1.11, 1024 1.14, 2048 0.83, 4096
+# 0.77; 32 / 8 x 128: 128 1.90, 256 1.22, 384 0.87, 512 0.64): SMALL_ATEN_D64 scales the limit for D <= 64.
 # Callers opt in (backend._one_call: whole causal / unmasked calls).
-SMALL_ATEN_POSITIONS = 64 * 64
+SMALL_ATEN_POSITIONS = 64 * 64 if target_has("sse4a") else 320 * 320
+SMALL_ATEN_D64 = 1 if target_has("sse4a") else 23          # (Intel: ~1536 x 1536 positions at D = 64)
 
 
-def small_for_aten(dtype: torch.dtype, L: int, S: int) -> bool:
-    """Whether ATen's kernel runs a whole call of L queries x S keys per head faster (SMALL_ATEN_POSITIONS): bf16
-    on AVX512-BF16 CPUs."""
-    return dtype == torch.bfloat16 and HAS_DP and L * S <= SMALL_ATEN_POSITIONS
+def small_aten_limit(D: int) -> int:
+    """The most query x key positions per head of a whole bf16 call that ATen's kernel runs faster, at head dim D."""
+    return SMALL_ATEN_POSITIONS * (SMALL_ATEN_D64 if D <= 64 else 1)
+
+
+def small_for_aten(dtype: torch.dtype, L: int, S: int, D: int) -> bool:
+    """Whether ATen's kernel runs a whole call of L queries x S keys per head of head dim D faster
+    (small_aten_limit): bf16 on AVX512-BF16 CPUs."""
+    return dtype == torch.bfloat16 and HAS_DP and L * S <= small_aten_limit(D)
 
 
 def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> bool:
