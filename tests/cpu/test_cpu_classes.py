@@ -34,9 +34,12 @@ EMULATED = {
 }
 _CHILD = ("import json; from fia.cpu.classes import cpu_class; from fia.backends.decode.kernels import params as P; "
           "from fia.backends.prefill import flash as F; c = cpu_class(); print(json.dumps([c.number, c.vendor, "
-          "P.PREFETCH_POLICY, bool(P.DP_FLAGS & P.DP_TOUCH), F.BF16_DP, F.ENABLED_F16]))")
+          "P.PREFETCH_POLICY, bool(P.DP_FLAGS & P.DP_TOUCH), F.BF16_DP, F.ENABLED_F16, F.small_aten_limit(64), "
+          "F.small_aten_limit(128)]))")
 # the prefill kernel's choices: bf16 by vdpbf16ps on AMD only (BF16_DP), float16 on ATen's kernel on Intel's AVX-512
-# CPUs (ENABLED_F16)
+# CPUs (ENABLED_F16), whole bf16 calls on ATen's kernel up to 64 x 64 positions per head on AMD, far more on Intel
+# (small_aten_limit at head dims 64 and 128)
+SMALL_ATEN = {"AMD": [64 * 64, 64 * 64], "Intel": [23 * 320 * 320, 320 * 320]}
 
 
 @pytest.mark.parametrize("cpu", sorted(EMULATED))
@@ -49,7 +52,8 @@ def test_each_x86_class_is_recognized_with_its_kernel_choices(cpu):
     assert r.returncode == 0, r.stderr[-2000:]
     bf16_dp = number == 3 and vendor == "AMD"
     own_f16 = vendor == "AMD" or number == 1
-    assert json.loads(r.stdout.strip().splitlines()[-1]) == [number, vendor, policy, touch, bf16_dp, own_f16]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got == [number, vendor, policy, touch, bf16_dp, own_f16, *SMALL_ATEN[vendor]]
 
 
 def test_explain_names_the_class():
