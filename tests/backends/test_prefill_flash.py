@@ -289,6 +289,7 @@ def test_bf16_default_follows_amx():
     assert PF.AMX_BF16 == target_has("amx-tile", "amx-bf16")
     assert PF.AVX2 == (not target_has("avx512f") and target_has("avx2", "fma", "f16c"))
     assert PF.ENABLED_DEFAULT == ((PF.HAS_DP and not PF.AMX_BF16) or PF.AVX2)
+    assert PF.AMD == target_has("sse4a")
     assert PF.ENABLED_F16_DEFAULT == ((PF.F16C and target_has("avx512f", "sse4a")) or PF.AVX2)
 
 

@@ -25,8 +25,7 @@ scheduling, causal items longest first.
 `eligible` says when the kernel applies: CPU tensors, bf16 / float16 / float32 q / k / v (mask / bias in the
 same dtype), head dims multiples of 64; bf16 where the CPU has AVX512-BF16 and no AMX-BF16 (ATen's kernel uses
 the tiles there, ~5x faster), float16 where it has AVX-512 and F16C on AMD (ATen's kernel is faster on Intel),
-float32 where it has AVX-512; all three on
-CPUs without AVX-512 that have AVX2, FMA and F16C (the 8-lane variant)
+float32 where it has AVX-512; all three on CPUs without AVX-512 that have AVX2, FMA and F16C (the 8-lane variant)
 (FIA_PREFILL_OWN=1 forces all, emulated where the instructions are missing; =0 turns the kernel off).
 `small_for_aten`: whole bf16 calls of at most small_aten_limit(D) query x key pairs per head, where the CPU has
 AVX512-BF16, run faster on ATen's kernel; the backend sends its whole-window calls there.
@@ -43,6 +42,7 @@ import numpy as np
 import torch
 
 from ... import caches
+from ...cpu.classes import cpu_class
 from ...cpu.simd import target_has
 from ...cpu.fma import NARROW
 from ...cpu.gemm import F16C, HAS_DP
@@ -60,6 +60,9 @@ PARALLEL_MIN_FLOPS = 8e8
 # kernel runs its bf16 GEMMs on the tiles, faster than this kernel; without AVX-512, the 8-lane GEMMs, where ATen's
 # kernel only matches SDPA (docs/performance.md, "Prefill on AVX2 CPUs" and "Kernel choices: the measurements").
 _MODE = os.environ.get("FIA_PREFILL_OWN", "")
+# the vendor decides three defaults below (BF16_DP, ENABLED_F16_DEFAULT, the small-call limit): the cores' FMA
+# ports against their vdpbf16ps, not the instruction set (docs/performance.md, "CPU classes")
+AMD = cpu_class().vendor == "AMD"
 AMX_BF16 = target_has("amx-tile", "amx-bf16")
 AVX2 = NARROW and target_has("avx2", "fma", "f16c")
 ENABLED_DEFAULT = (target_has("avx512f") and not AMX_BF16) or AVX2
@@ -69,7 +72,7 @@ ENABLED = {"0": False, "1": True}.get(_MODE, ENABLED_DEFAULT)
 # S = 2048, own / ATen's x SDPA: causal 0.81 / 0.98, pse 0.63 / 0.98, causal pse 1.03 / 1.53, band 2.3 / 2.64; with
 # Ice Lake's instruction set on that host: causal 0.82 / 0.99, pse 0.62 / 1.00. AMD Zen 4: own 1.75x SDPA (causal)
 F16_NATIVE = F16C and target_has("avx512f")          # the kernel runs float16 without emulation
-ENABLED_F16_DEFAULT = (F16_NATIVE and target_has("sse4a")) or AVX2
+ENABLED_F16_DEFAULT = (F16_NATIVE and AMD) or AVX2
 ENABLED_F16 = {"0": False, "1": True}.get(_MODE, ENABLED_F16_DEFAULT)
 ENABLED_F32 = {"0": False, "1": True}.get(_MODE, target_has("avx512f") or AVX2)
 ENABLED_FOR = {torch.bfloat16: lambda: ENABLED, torch.float16: lambda: ENABLED_F16, torch.float32: lambda: ENABLED_F32}
@@ -77,8 +80,8 @@ ENABLED_FOR = {torch.bfloat16: lambda: ENABLED, torch.float16: lambda: ENABLED_F
 # Where each is faster depends on the core, not the instruction set: AMD Zen 4 / 5 issue one 512-bit FMA a cycle
 # and vdpbf16ps at twice that multiply rate; Intel's two 512-bit FMA ports outrun its vdpbf16ps (Emerald Rapids,
 # one core, in L2: 89 against 145-155 GFLOP/s; whole causal calls 1.5x faster widened). The default follows the
-# vendor (sse4a: AMD only); FIA_PREFILL_DP=0 / 1 forces it where HAS_DP (docs/performance.md, "CPU classes").
-BF16_DP = HAS_DP and {"0": False, "1": True}.get(os.environ.get("FIA_PREFILL_DP", ""), target_has("sse4a"))
+# vendor; FIA_PREFILL_DP=0 / 1 forces it where HAS_DP (docs/performance.md, "CPU classes").
+BF16_DP = HAS_DP and {"0": False, "1": True}.get(os.environ.get("FIA_PREFILL_DP", ""), AMD)
 
 
 # A bf16 call of at most this many (query, key) positions per head runs faster on ATen's kernel where the CPU has
@@ -89,8 +92,8 @@ BF16_DP = HAS_DP and {"0": False, "1": True}.get(os.environ.get("FIA_PREFILL_DP"
 # alternating, own / ATen: 8 / 2 x 64: L = S = 32 2.14, 128 1.86, 256 1.33, 512 1.11, 1024 1.14, 2048 0.83, 4096
 # 0.77; 32 / 8 x 128: 128 1.90, 256 1.22, 384 0.87, 512 0.64): SMALL_ATEN_D64 scales the limit for D <= 64.
 # Callers opt in (backend._one_call: whole causal / unmasked calls).
-SMALL_ATEN_POSITIONS = 64 * 64 if target_has("sse4a") else 320 * 320
-SMALL_ATEN_D64 = 1 if target_has("sse4a") else 23          # (Intel: ~1536 x 1536 positions at D = 64)
+SMALL_ATEN_POSITIONS = 64 * 64 if AMD else 320 * 320
+SMALL_ATEN_D64 = 1 if AMD else 23          # (Intel: ~1536 x 1536 positions at D = 64)
 
 
 def small_aten_limit(D: int) -> int:

@@ -29,8 +29,8 @@ from . import flash as prefill_flash
 def _tuning(backend) -> tuple:
     """What the plan and _one_call's kernel choice read besides the problem (tests and users may change them; the
     blocked path reads its tuning when it runs)."""
-    return (backend.block_q, backend.pse_skip, backend.pse_skip_min, prefill_flash.SMALL_ATEN_POSITIONS, prefill_flash.SMALL_ATEN_D64,
-            prefill_flash.ENABLED, prefill_flash.ENABLED_F16, prefill_flash.ENABLED_F32)
+    return (backend.block_q, backend.pse_skip, backend.pse_skip_min, prefill_flash.SMALL_ATEN_POSITIONS,
+            prefill_flash.SMALL_ATEN_D64, prefill_flash.ENABLED, prefill_flash.ENABLED_F16, prefill_flash.ENABLED_F32)
 
 
 class PrefillReplay:
