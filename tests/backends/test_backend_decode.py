@@ -28,19 +28,22 @@ LSE_TOL = 2e-4
 
 
 def _dp_variants():
-    """Kernel choices (ip[IP_DP]) the suite runs under: this CPU's default (bf16 dot-product kernels where it
-    has AVX512-BF16, float32 FMA IR kernels for the rest, its prefetch policy, AMX tiles for items of 8+ rows
-    where it has AMX), the same kernels with every prefetch request (the other CPU vendor's policy: nta + own
-    rows ahead) and AMX tiles for every item, the FMA kernels alone (every other CPU's bf16 path) with t1
-    requests of the V rows only (PV requesting nothing: the "-v" policies, DP_NO_PV_K) and no prefetching."""
+    """Kernel choices (ip[IP_DP]) the suite runs under: this CPU's default (bf16 dot-product kernels on AMD with
+    AVX512-BF16 and with AMX, float32 FMA IR kernels for the rest, its prefetch policy, AMX tiles for items of 8+ rows
+    where it has AMX), the bf16 dot-product kernels wherever the CPU has them with every prefetch request (the other
+    CPU vendor's policy: nta + own rows ahead) and AMX tiles for every item, the FMA kernels alone (every other CPU's bf16 path: bf16 widened in
+    even / odd halves) with t1 requests of the V rows only (PV requesting nothing: the "-v" policies, DP_NO_PV_K),
+    and no prefetching with bf16 widened in order."""
     try:
         from fia.backends.decode import kernels as K
     except ImportError:                                   # numba missing: the backend is not registered
         return [None]
     every = (K.DP_FLAGS & ~K.PREFETCH_POLICIES[K.PREFETCH_POLICY]) | K.PREFETCH_POLICIES["nta+ahead"]
+    if K.HAS_DP:                                      # bf16 dot products where the CPU has them (Intel: not the default)
+        every |= K.DP_QK | K.DP_PV
     if K.HAS_AMX:                                     # AMX tiles for every item, not only from AMX_MIN_ROWS rows
         every |= K.DP_AMX_ANY
-    return sorted({K.DP_FLAGS, every, K.PREFETCH_POLICIES["t1-v"], 0}, reverse=True)
+    return sorted({K.DP_FLAGS, every, K.PREFETCH_POLICIES["t1-v"] | K.DP_EO, 0}, reverse=True)
 
 
 @pytest.fixture(autouse=True, params=_dp_variants(), ids=lambda v: f"dp{v}")

@@ -34,8 +34,9 @@ EMULATED = {
 }
 _CHILD = ("import json; from fia.cpu.classes import cpu_class; from fia.backends.decode.kernels import params as P; "
           "from fia.backends.prefill import flash as F; c = cpu_class(); print(json.dumps([c.number, c.vendor, "
-          "P.PREFETCH_POLICY, bool(P.DP_FLAGS & P.DP_TOUCH), F.BF16_DP, F.ENABLED_F16, F.small_aten_limit(64), "
-          "F.small_aten_limit(128)]))")
+          "P.PREFETCH_POLICY, bool(P.DP_FLAGS & P.DP_TOUCH), bool(P.DP_FLAGS & P.DP_QK), F.BF16_DP, F.ENABLED_F16, "
+          "F.small_aten_limit(64), F.small_aten_limit(128)]))")
+# the decode kernels' bf16 form: vdpbf16ps on AMD's class 3 and where AMX tiles run (DP_QK), float32 FMAs elsewhere;
 # the prefill kernel's choices: bf16 by vdpbf16ps on AMD only (BF16_DP), float16 on ATen's kernel on Intel's AVX-512
 # CPUs (ENABLED_F16), whole bf16 calls on ATen's kernel up to 64 x 64 positions per head on AMD, far more on Intel
 # (small_aten_limit at head dims 64 and 128)
@@ -52,8 +53,9 @@ def test_each_x86_class_is_recognized_with_its_kernel_choices(cpu):
     assert r.returncode == 0, r.stderr[-2000:]
     bf16_dp = number == 3 and vendor == "AMD"
     own_f16 = vendor == "AMD" or number == 1
+    decode_dp = bf16_dp or number == 4             # bf16 decode by vdpbf16ps (and AMX tiles), else FMAs
     got = json.loads(r.stdout.strip().splitlines()[-1])
-    assert got == [number, vendor, policy, touch, bf16_dp, own_f16, *SMALL_ATEN[vendor]]
+    assert got == [number, vendor, policy, touch, decode_dp, bf16_dp, own_f16, *SMALL_ATEN[vendor]]
 
 
 def test_explain_names_the_class():

@@ -151,7 +151,46 @@ F16C_MODES = [False] + ([True] if FM.F16C else [])
 @pytest.fixture(scope="module", params=[(f, w) for f in F16C_MODES for w in (False, True)],
                 ids=lambda m: ("f16c" if m[0] else "f16-bits") + ("-narrow" if m[1] else "-wide"))
 def fma_kernels(request):
-    return _fma_kernels(*request.param)
+    return _fma_kernels(*request.param) + (request.param[1],)
+
+
+def _eo(x, w, back=False):
+    """Rows of x per w channels: the even-indexed ones, then the odd-indexed ones (fma.KIND_BF16_EO), or back."""
+    R, D = x.shape
+    g = x.reshape(R, D // w, 2, w // 2) if back else x.reshape(R, D // w, w // 2, 2)
+    return np.ascontiguousarray(g.swapaxes(2, 3)).reshape(R, D)
+
+
+@pytest.mark.parametrize("R", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("n", [1, 4, 13])
+@pytest.mark.parametrize("D", [32, 64, 128, 192])
+def test_fma_bf16_even_odd_halves(fma_kernels, R, n, D):
+    """bf16 widened in even / odd halves (KIND_BF16_EO): QK against a query de-interleaved per group of 16 (8 lanes)
+    or 32 (16 lanes) channels, PV into accumulators in that order (head dims of whole groups: 16-lane PV widens
+    pairs of them, Dv % 64). Exact products: the float64 reference within float32 summation."""
+    qk, pv, narrow = fma_kernels
+    w = 16 if narrow else 32
+    g = torch.Generator().manual_seed(R * 100 + n * 7 + D)
+    pool, buf = _pool("bf16", 3 * n + 5, D, g)
+    rows = torch.randperm(pool.shape[0], generator=g)[:n]
+    offs = (rows * D).numpy().astype(np.int64)
+    q = torch.randn(R, D, generator=g)
+    s = np.full((R, n + 7), np.nan, np.float32)
+    qk(_eo(q.numpy(), w), buf, FM.KIND_BF16_EO, offs, n, s, R, D, buf, offs, n, D, 2)
+    np.testing.assert_allclose(s[:, :n], (q.double() @ pool[rows].double().T).numpy(), rtol=1e-5, atol=1e-3)
+    assert np.isnan(s[:, n:]).all()
+    if D % (w if narrow else 2 * w):
+        return
+    p = torch.rand(R, n + 3, generator=g)
+    p[:, n:] = float("nan")                                 # weights past the keys: never read
+    acc0 = torch.randn(R, D + 16, generator=g).numpy()
+    acc0[:, D:] = np.nan
+    acc = acc0.copy()
+    acc[:, :D] = _eo(acc0[:, :D], w)
+    pv(p.numpy(), buf, FM.KIND_BF16_EO, offs, n, acc, R, D, buf, offs, n, D, 2)
+    ref = acc0[:, :D] + (p[:, :n].double() @ pool[rows].double()).numpy()
+    np.testing.assert_allclose(_eo(acc[:, :D], w, back=True), ref, rtol=1e-5, atol=1e-3)
+    assert np.isnan(acc[:, D:]).all()
 
 
 def _pool(kind, rows, d, g):
@@ -209,7 +248,7 @@ def test_pv_fma(fma_kernels, kind, R, n, Dv):
 
 def test_fp16_bits_widening_exact(fma_kernels):
     """Every fp16 bit pattern (normals, subnormals, zeros, inf, nan) widens exactly, by either method."""
-    qk, _ = fma_kernels
+    qk = fma_kernels[0]
     bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)           # one key per 16 patterns
     vals = torch.from_numpy(bits.view(np.int16)).view(torch.float16).float().reshape(4096, 16)
     buf = bits.view(np.uint8)

@@ -142,11 +142,11 @@ def test_explain_names_the_decode_kernels(monkeypatch):
     g = gen(701)
     q = randn((1, 8, 1, 128), g).to(torch.bfloat16)
     k, v = (randn((1, 2, 64, 128), g).to(torch.bfloat16) for _ in range(2))
-    # without AVX512-BF16: float32 FMAs, bf16 widened in even / odd halves on 8-lane (AVX2) CPUs (DP_EO)
-    dp = ("bf16 dot products (AVX512-BF16)" if K.HAS_DP else
-          "float32 FMA (bf16 in even / odd halves)" if K.NARROW else "float32 FMA")
+    # bf16 dot products on AMD's AVX512-BF16 CPUs and with AMX; elsewhere float32 FMAs, bf16 widened in even / odd
+    # halves (DP_EO)
+    dp = ("bf16 dot products (AVX512-BF16)" if K.DP_FLAGS & K.DP_QK else "float32 FMA (bf16 in even / odd halves)")
     kernels = K.DP_FLAGS & ~K.DP_PREFETCH_BITS
-    assert bool(kernels & K.DP_EO) == K.NARROW
+    assert kernels & K.DP_EO
     from fia.backends.decode import plan as DEC_PLAN
     monkeypatch.setattr(K, "DP_FLAGS", kernels | K.PREFETCH_POLICIES["nta+ahead"])
     # a call reading at most PREFETCH_MIN_BYTES of K / V runs without the prefetches (its data may be cached)
@@ -186,7 +186,7 @@ def test_explain_names_the_decode_kernels(monkeypatch):
     assert _kernel_line(q, k, v) == f"kernels: QK {dp}, PV {dp}, software prefetch (t1)"
     # 8 query rows per KV head: AMX tiles where the CPU has them (K.AMX_MIN_ROWS)
     q8 = randn((1, 16, 1, 128), g).to(torch.bfloat16)
-    amx = "bf16 AMX tiles (16-key blocks; the rest AVX512-BF16)" if K.HAS_AMX and K.HAS_DP else dp
+    amx = "bf16 AMX tiles (16-key blocks; the rest AVX512-BF16)" if K.HAS_AMX and K.DP_FLAGS & K.DP_QK else dp
     assert _kernel_line(q8, k, v) == f"kernels: QK {amx}, PV {amx}, software prefetch (t1)"
     monkeypatch.setattr(K, "DP_FLAGS", (kernels & ~K.DP_AMX) | K.PREFETCH_POLICIES["t1"])
     assert _kernel_line(q8, k, v) == f"kernels: QK {dp}, PV {dp}, software prefetch (t1)"

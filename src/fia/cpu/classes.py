@@ -5,8 +5,9 @@ target) and, for the decode prefetch policy, by vendor and AMD generation. Users
 
 1. AVX2 + FMA (AMD Zen 2 / 3, Intel Haswell to Comet Lake): 8-lane float32 FMA kernels;
 2. AVX-512 without BF16 (Intel Skylake-SP, Cascade Lake, Ice Lake): 16-lane float32 FMA kernels;
-3. AVX-512 with BF16 (AMD Zen 4 / 5, Intel Cooper Lake): bf16 dot products (`vdpbf16ps`);
-4. AMX (Intel Sapphire Rapids and later): as 3, plus AMX tiles for decode items of many query rows;
+3. AVX-512 with BF16 (AMD Zen 4 / 5, Intel Cooper Lake): bf16 dot products (`vdpbf16ps`) on AMD; on Intel, whose
+   two 512-bit FMA ports outrun its `vdpbf16ps`, bf16 widened to float32 FMAs;
+4. AMX (Intel Sapphire Rapids and later): bf16 dot products plus AMX tiles for decode items of many query rows;
 5. aarch64 (Graviton, Kunpeng): the decode kernels' 8-lane float32 form (LLVM vector IR, lowered to NEON; not
    measured here), ATen's flash kernel for prefill.
 """

@@ -25,7 +25,7 @@ from numba.extending import intrinsic
 
 from .simd import (F32, I16, I32, I64, KIND_BF16, KIND_F32, KIND_FP16, KIND_I8, V16F, ZERO16, QKOp, c64, chunk_at, declare, first_only,
     gep, load, other_stream, outlined, prefetch_ahead, prefetch_rows, ptr, pv_row_blocks, qk_blocks,
-    qk_kernel, row_blocks, shared, splat, store, store_scores, switch, var, target_has)
+    qk_kernel, row_blocks, shared, shuffle, splat, store, store_scores, switch, var, target_has)
 
 F16C = platform.machine().lower() in ("aarch64", "arm64") or target_has("f16c")
 # CPUs without AVX-512 have 16 vector registers of 8 floats: there LLVM splits each <16 x float> of the
@@ -51,9 +51,8 @@ QK_UNROLLED_F32 = (8, 4)
 
 
 def _kinds() -> tuple:
-    """The element kinds qk_fma / pv_fma specialize for besides bf16 (read when the code is generated: the
-    tests build wide and narrow kernels on one CPU by switching NARROW)."""
-    return (KIND_F32, KIND_FP16, KIND_I8, KIND_BF16_EO) if NARROW else (KIND_F32, KIND_FP16, KIND_I8)
+    """The element kinds qk_fma / pv_fma specialize for besides bf16."""
+    return (KIND_F32, KIND_FP16, KIND_I8, KIND_BF16_EO)
 
 
 def _vec(ty, lanes):
@@ -119,6 +118,18 @@ def _qk_op(kind: int) -> QKOp:
                 lambda b, acc, q, k: fmadd(b, q, k, acc), lambda b, a: a, lambda b, r0, NR, NC, v: v)
 
 
+_LO16, _HI16 = list(range(16)), list(range(16, 32))
+
+
+def _qk_op_eo() -> QKOp:
+    """bf16 keys in chunks of 32 widened to even / odd halves (KIND_BF16_EO) x float32 query chunks of 32 (its
+    16 even-indexed values, then the 16 odd-indexed ones): two FMAs per chunk (simd._qk_block)."""
+    def dot(b, acc, q, k):
+        return fmadd(b, shuffle(b, q, q, _HI16), k[1], fmadd(b, shuffle(b, q, q, _LO16), k[0], acc))
+    return QKOp(2, 64, 128, _vec(F32, 32), ZERO16, lambda b, p: widen_eo(b, p, 16), dot, lambda b, a: a,
+                lambda b, r0, NR, NC, v: v)
+
+
 @intrinsic
 def qk_fma(typingctx, qaddr, q_rs, kaddr, kind, offaddr, n, saddr, s_rs, R, D, xaddr, xoffaddr, xn, xrow, xes):
     """s[r, c] = q[r, :D] . K[c, :D], r < R, c < n. q: float32 at qaddr, rows q_rs bytes apart; key c:
@@ -136,6 +147,10 @@ def qk_fma(typingctx, qaddr, q_rs, kaddr, kind, offaddr, n, saddr, s_rs, R, D, x
                 eo = kind == KIND_BF16_EO
                 qk_narrow(b, _qk_narrow_op(KIND_BF16 if eo else kind), qa, qrs, ka, offp, sa, srs, R_, n_, D_, x,
                            eo, None if eo else QK_NC_WIDENED)
+            elif kind == KIND_BF16_EO:
+                # D = 128 keeps its query in L1, not in registers: 4 rows x 4 chunks of 32 floats would fill
+                # all 32 of them
+                qk_kernel(b, _qk_op_eo(), qa, qrs, ka, offp, sa, srs, R_, n_, D_, x, 32, (4, 2), preload_max=2)
             else:
                 qk_kernel(b, _qk_op(kind), qa, qrs, ka, offp, sa, srs, R_, n_, D_, x, 16,
                           QK_UNROLLED_F32 if kind == KIND_F32 else (8,))
@@ -237,7 +252,7 @@ def _pv_pass(b, kind, NR, DG, p0, p_rs, vaddr, offp, n, a0, a_rs, g, x, vrow, la
         prefetch_ahead(b, x, vaddr, offp, n, vrow, c64(es), c, 1)
         vp = gep(b, vbase, b.add(b.mul(b.load(gep(b, offp, c)), c64(es)), b.mul(g, c64(lanes * DG * es))))
         if kind == KIND_BF16_EO:                              # chunk pairs: even / odd channels (KIND_BF16_EO)
-            vs = [h for ch in range(0, DG, 2) for h in widen_eo(b, gep(b, vp, c64(lanes * es * ch)))]
+            vs = [h for ch in range(0, DG, 2) for h in widen_eo(b, gep(b, vp, c64(lanes * es * ch)), lanes)]
         else:
             vs = [widen(b, gep(b, vp, c64(lanes * es * ch)), kind, lanes) for ch in range(DG)]   # row c in order
         for r in range(NR):

@@ -447,15 +447,16 @@ def qk_blocks(b, qa, q_rs, sa, s_rs, R, n, x, block, NC, preload):
 QK_UNROLLED = (4, 2)         # D = 128, 64: straight-line blocks; other D % 32 == 0: a loop over chunks
 
 
-def qk_kernel(b, op, qa, q_rs, ka, offp, sa, s_rs, R, n, D, x, chunk, unrolled, kfs=None):
+def qk_kernel(b, op, qa, q_rs, ka, offp, sa, s_rs, R, n, D, x, chunk, unrolled, kfs=None, preload_max=4):
     """The body of a QK kernel (qk_dp, fma.qk_fma, vnni.qk_i8): op's blocks over the
     qk_blocks schedule, D in chunks of `chunk` elements; head dims of `unrolled` chunk counts as
-    straight-line code, the others as a loop over chunks. kfs: NZ key rows (chunk_at)."""
+    straight-line code, the others as a loop over chunks; the query in registers up to preload_max chunks.
+    kfs: NZ key rows (chunk_at)."""
     nd = b.udiv(D, c64(chunk))
 
     def variant(ND):
         preload = None
-        if ND is not None and ND <= 4:
+        if ND is not None and ND <= preload_max:
             # the row block's query chunks stay in registers (<= 16 vectors) across its keys, in blocks of 2
             # (8 accumulators): the query was reloaded from L1 for every key (4 keys x 4 rows per block), and
             # those loads cost more than their count; the hardware prefetchers now carry the K stream

@@ -19,15 +19,15 @@ from .dequant import (_i8_tokens_ok, exact_key_tokens, exact_value_tokens, excep
                       token_scales)
 from .generic import pv_block, pv_fused, qk_block, qk_fused
 from .params import (AHEAD_BYTES, BUF_K, BUF_KTO, BUF_KTS, BUF_MASK, BUF_PSE, BUF_Q, BUF_QDS, BUF_QR, BUF_R, BUF_V,
-    BUF_VTO, BUF_VTS, FP4_SUB, GEO_JOFS, GEO_NEXT, GEO_PRE, GEO_QBASE, GEO_QHI, GEO_QLO, GEO_QRBASE, I8_QK_MAX_ERR,
-    IP_B, IP_BAND, IP_BPG, IP_BS, IP_C, IP_COL_BASE, IP_D, IP_DR, IP_DV, IP_G, IP_H, IP_HB, IP_KC_MODE, IP_KT_BLK,
-    IP_KT_BS, IP_KT_H, IP_KT_MODE, IP_KT_S, IP_K_BLK, IP_K_FS, IP_K_FW, IP_K_H, IP_K_KIND, IP_K_S, IP_MASK, IP_M_B,
-    IP_M_K, IP_M_S, IP_PREFIX_PASS, IP_PSE_B, IP_PSE_K, IP_PSE_KIND, IP_PSE_N, IP_PSE_S, IP_QD, IP_QD_SB, IP_QD_SN,
-    IP_QD_SS, IP_QR_KIND, IP_QR_SN, IP_QR_SS, IP_QS, IP_Q_KIND, IP_Q_SN, IP_Q_SS, IP_R, IP_R0, IP_R_BLK, IP_R_FS,
-    IP_R_FW, IP_R_H, IP_R_KIND, IP_R_S, IP_VT_BLK, IP_VT_BS, IP_VT_H, IP_VT_MODE, IP_VT_S, IP_V_BLK, IP_V_FS,
-    IP_V_FW, IP_V_H, IP_V_KIND, IP_V_S, IP_WANT_ANY, KF_AHEAD_K, KF_AHEAD_V, KF_AMX_PV, KF_AMX_QK, KF_DP_PV,
-    KF_DP_QK, KF_EO_PV, KF_EO_QK, KF_FMA_PV, KF_FMA_QK, KF_I8_PV, KF_I8_QK, KF_NTA, KF_PREFETCH, KF_PV_K, KF_TOUCH,
-    KIND_FP4, MASK_FILL, kernel_flags)
+    BUF_VTO, BUF_VTS, EO_GROUP, FP4_SUB, GEO_JOFS, GEO_NEXT, GEO_PRE, GEO_QBASE, GEO_QHI, GEO_QLO, GEO_QRBASE,
+    I8_QK_MAX_ERR, IP_B, IP_BAND, IP_BPG, IP_BS, IP_C, IP_COL_BASE, IP_D, IP_DR, IP_DV, IP_G, IP_H, IP_HB, IP_KC_MODE,
+    IP_KT_BLK, IP_KT_BS, IP_KT_H, IP_KT_MODE, IP_KT_S, IP_K_BLK, IP_K_FS, IP_K_FW, IP_K_H, IP_K_KIND, IP_K_S, IP_MASK,
+    IP_M_B, IP_M_K, IP_M_S, IP_PREFIX_PASS, IP_PSE_B, IP_PSE_K, IP_PSE_KIND, IP_PSE_N, IP_PSE_S, IP_QD, IP_QD_SB,
+    IP_QD_SN, IP_QD_SS, IP_QR_KIND, IP_QR_SN, IP_QR_SS, IP_QS, IP_Q_KIND, IP_Q_SN, IP_Q_SS, IP_R, IP_R0, IP_R_BLK,
+    IP_R_FS, IP_R_FW, IP_R_H, IP_R_KIND, IP_R_S, IP_VT_BLK, IP_VT_BS, IP_VT_H, IP_VT_MODE, IP_VT_S, IP_V_BLK, IP_V_FS,
+    IP_V_FW, IP_V_H, IP_V_KIND, IP_V_S, IP_WANT_ANY, KF_AHEAD_K, KF_AHEAD_V, KF_AMX_PV, KF_AMX_QK, KF_DP_PV, KF_DP_QK,
+    KF_EO_PV, KF_EO_QK, KF_FMA_PV, KF_FMA_QK, KF_I8_PV, KF_I8_QK, KF_NTA, KF_PREFETCH, KF_PV_K, KF_TOUCH, KIND_FP4,
+    MASK_FILL, kernel_flags)
 from .rows import elem_layout, eo_rows, fp4_rows, load_rows, nz_lines, nz_pack, row_offsets, touch_rows, views
 from .softmax import drain_block, drain_chunk, quant_i16, softmax_chunk
 
@@ -176,7 +176,7 @@ def _query_rows(hh, h0, i, geo, ip, dims, flags, lay, q8, q16, q32, qfl, qrbuf, 
             t += qv[r, d]
         qs[r] = t
     if eo_qk:                                      # qk_fma's even / odd bf16 halves (cpu.fma.KIND_BF16_EO)
-        eo_rows(qv, R, D, tmp, False)
+        eo_rows(qv, R, D, tmp, False, EO_GROUP)
     if i8_qk:
         i8_qk = quant_i16(qv, R, D, q2.view(np.int16), isch[hh, 0])
     if i8_qk:                                      # the int16 query's score error (I8_QK_MAX_ERR)
@@ -480,7 +480,7 @@ def _finish_item(po, w, h0, HB, R, Dv, vt_mode, vxh, eo_pv, tmp):
                 for d in range(Dv):
                     acc[r, d] += x
         if eo_pv:                                      # pv_fma's even / odd channel groups back in order
-            eo_rows(acc, R, Dv, tmp, True)
+            eo_rows(acc, R, Dv, tmp, True, EO_GROUP)
 
 
 @njit(fastmath=FM, cache=True)
@@ -706,7 +706,8 @@ def attend_items(items, counter, ip, fp, geo, work, tbl, bufs, kchan, kt_tbl, vt
     # allocation and one reference-counted owner per call, not one per array. Byte offsets first ([HB, ...]: per
     # KV head of an item)
     sz = np.empty(35, np.int64)
-    nz = _offsets(sz, (HB * R * dq * 4, HB * R * 4, HB * R * 4, R * 8, HB * R * 8, R * 8, dq * 4, 8, HB * R * 4,
+    tw = max(dq, 32)                                   # tmp: a query row, or eo_rows' group (<= 32 channels)
+    nz = _offsets(sz, (HB * R * dq * 4, HB * R * 4, HB * R * 4, R * 8, HB * R * 8, R * 8, tw * 4, 8, HB * R * 4,
                        C * 8, C * 8, C * 8, C * 4, C * 4, C * 4, C * 4, HB * R * dq * 2, R * (C + 2) * 2,
                        HB * 2 * R * 4, HB, 8, C * 8, R * Dv * 4, HB * R * Dv * 4, HB * R * 4, HB * R * 4, HB * 4,
                        HB * R * Dt * 4, C * 8), 0)
@@ -721,7 +722,7 @@ def attend_items(items, counter, ip, fp, geo, work, tbl, bufs, kchan, kt_tbl, vt
     rb = carray(addr_ptr(z + sz[3]), R, np.int64)
     rn = carray(addr_ptr(z + sz[4]), (HB, R), np.int64)
     rs = carray(addr_ptr(z + sz[5]), R, np.int64)
-    tmp = carray(addr_ptr(z + sz[6]), (1, dq), np.float32)
+    tmp = carray(addr_ptr(z + sz[6]), (1, tw), np.float32)
     offs = carray(addr_ptr(z + sz[7]), 1, np.int64)
     vx = carray(addr_ptr(z + sz[8]), (HB, R), np.float32)
     koff = carray(addr_ptr(z + sz[9]), C, np.int64)

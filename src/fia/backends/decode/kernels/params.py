@@ -29,7 +29,8 @@ FP4_SUB = 64
 # with their per-token-group FLOAT8_E8M0 scales (which travel in the per-token slots: IP_KT_* / BUF_KTS, IP_VT_* /
 # BUF_VTS, one byte per 32 channels); the generic loops run them (cpu.fma.KIND_BF16_EO is 5)
 KIND_FP4 = 6
-# ip[IP_DP] of a call (kernel choice): the bf16 dp kernels where the CPU has AVX512-BF16 (cpu.simd.HAS_DP),
+# ip[IP_DP] of a call (kernel choice): the bf16 dp kernels where the CPU has AVX512-BF16 (cpu.simd.HAS_DP) and
+# they are the faster form (DP_DEFAULT),
 # the other stream prefetched by the IR kernels (DP_NTA: with prefetchnta, not prefetcht1, where that measured
 # faster). (bf16 / fp16 / int8 K and V that the dp kernels do not take
 # go through the float32 FMA kernels of cpu/fma.py when the head dim is a multiple of 16.)
@@ -39,9 +40,10 @@ KIND_FP4 = 6
 # for int8 V, where it measured slower). The measurements behind each bit and policy below: docs/performance.md,
 # "Kernel choices: the measurements".
 DP_QK, DP_PV, DP_PREFETCH, DP_I8, DP_NTA, DP_AHEAD, DP_AMX, DP_AMX_ANY = 1, 2, 4, 8, 16, 32, 64, 128
-# DP_EO: the 8-lane FMA kernels (CPUs without AVX-512) widen bf16 K / V in even / odd halves
-# (cpu.fma.KIND_BF16_EO): the query rows de-interleaved per 16 channels, PV's accumulators restored at the end
+# DP_EO: the FMA kernels widen bf16 K / V in even / odd halves (cpu.fma.KIND_BF16_EO): the query rows
+# de-interleaved per EO_GROUP channels, PV's accumulators restored at the end
 DP_EO = 256
+EO_GROUP = 16 if NARROW else 32
 # DP_NO_PV_K: PV does not request the next chunk's K rows (QK still requests its chunk's V rows): the "-v"
 # policies below. The hardware prefetchers stream QK's K rows read front to back, not PV's passes over V
 # (32 bytes per row per pass): what PV requests of the next K chunk competes with its own misses
@@ -88,9 +90,16 @@ DP_F32 = 2048
 # faster without it (Zen 4: 1.07-1.14x; Intel Emerald Rapids: 1.27-1.46x; docs/performance.md, "Token-major K / V:
 # items of all KV heads").
 TOUCH_DEFAULT = PREFETCH_DEFAULT != "t1"
-# FIA_DECODE_TOUCH=0 / 1 turns DP_TOUCH off / on, FIA_DECODE_F32=0 DP_F32 off (A / B measurements)
-DP_FLAGS = ((DP_QK | DP_PV if HAS_DP else 0) | (DP_I8 if HAS_VNNI else 0) | (DP_AMX if HAS_AMX else 0)
-            | (DP_EO if NARROW else 0) | PREFETCH_POLICIES[PREFETCH_POLICY]
+# The bf16 dp kernels (DP_QK / DP_PV) by default where `vdpbf16ps` outruns float32 FMAs: on AMD (Zen 4 / 5: one
+# 512-bit FMA a cycle, `vdpbf16ps` twice its rate) and with AMX (whose tiles run the larger items on the dp path).
+# Intel's two 512-bit FMA ports run bf16 widened in even / odd halves (DP_EO) faster than its `vdpbf16ps`: Emerald
+# Rapids, in cache 1.1-1.15x, from DRAM FP4 1.1x, token-major 1.03-1.1x, dense level (docs/performance.md, "CPU
+# classes"). FIA_DECODE_DP=1 forces them (where the CPU has the instruction, or emulated), =0 leaves them out.
+DP_DEFAULT = HAS_DP and (os.environ.get("FIA_DECODE_DP") == "1" or target_has("sse4a") or target_has("amx-tile"))
+# FIA_DECODE_TOUCH=0 / 1 turns DP_TOUCH off / on, FIA_DECODE_F32=0 DP_F32 off, FIA_DECODE_EO=0 DP_EO off
+# (A / B measurements)
+DP_FLAGS = ((DP_QK | DP_PV if DP_DEFAULT else 0) | (DP_I8 if HAS_VNNI else 0) | (DP_AMX if HAS_AMX else 0)
+            | (0 if os.environ.get("FIA_DECODE_EO", "1") == "0" else DP_EO) | PREFETCH_POLICIES[PREFETCH_POLICY]
             | (DP_TOUCH if {"0": False, "1": True}.get(os.environ.get("FIA_DECODE_TOUCH", ""), TOUCH_DEFAULT) else 0)
             | (0 if os.environ.get("FIA_DECODE_F32", "1") == "0" else DP_F32))
 AHEAD_BYTES = 8192              # 32 rows of bf16 / fp16 at D = 128, 63 of int8
@@ -197,11 +206,12 @@ def kernel_flags(ip):
     if ((f & KF_DP_PV) == 0 and Dv % 16 == 0
             and (v_kind == KIND_BF16 or v_kind == KIND_FP16 or v_kind == KIND_I8 or (f32 and v_kind == KIND_F32))):
         f |= KF_FMA_PV
-    # ... bf16 ones widened in even / odd halves on 8 lanes (DP_EO)
-    eo = NARROW and (ip[IP_DP] & DP_EO) != 0
-    if eo and (f & KF_FMA_QK) != 0 and k_kind == KIND_BF16:
+    # ... bf16 ones widened in even / odd halves (DP_EO) where the head dim holds whole groups: 16 channels on 8
+    # lanes; on 16 lanes 32 for QK, 64 for PV (its passes widen pairs of 32-channel groups)
+    eo = (ip[IP_DP] & DP_EO) != 0
+    if eo and (f & KF_FMA_QK) != 0 and k_kind == KIND_BF16 and (NARROW or D % 32 == 0):
         f |= KF_EO_QK
-    if eo and (f & KF_FMA_PV) != 0 and v_kind == KIND_BF16:
+    if eo and (f & KF_FMA_PV) != 0 and v_kind == KIND_BF16 and (NARROW or Dv % 64 == 0):
         f |= KF_EO_PV
     if (ip[IP_DP] & DP_PREFETCH) != 0:             # prefetch the other stream inside the IR kernels
         f |= KF_PREFETCH

@@ -207,19 +207,20 @@ def _copy_strided(src, o, st, dst, c, n):
 
 
 @njit(fastmath=FM, cache=True)
-def eo_rows(x, R, D, tmp, back):
-    """x[r, :D] (D % 16 == 0) per 16 channels: the even-indexed ones, then the odd-indexed ones (the layout of
-    cpu.fma.KIND_BF16_EO's halves: the query for qk_fma), or back from it (pv_fma's accumulators). tmp:
-    scratch of >= 16 floats in row 0."""
+def eo_rows(x, R, D, tmp, back, w):
+    """x[r, :D] (D % w == 0) per w channels: the even-indexed ones, then the odd-indexed ones (the layout of
+    cpu.fma.KIND_BF16_EO's halves, w = 2 x the kernels' lanes: the query for qk_fma), or back from it (pv_fma's
+    accumulators). tmp: scratch of >= w floats in row 0."""
+    h = w // 2
     for r in range(R):
-        for j in range(0, D, 16):
-            for i in range(16):
+        for j in range(0, D, w):
+            for i in range(w):
                 tmp[0, i] = x[r, j + i]
             if back:
-                for i in range(8):
+                for i in range(h):
                     x[r, j + 2 * i] = tmp[0, i]
-                    x[r, j + 2 * i + 1] = tmp[0, 8 + i]
+                    x[r, j + 2 * i + 1] = tmp[0, h + i]
             else:
-                for i in range(8):
+                for i in range(h):
                     x[r, j + i] = tmp[0, 2 * i]
-                    x[r, j + 8 + i] = tmp[0, 2 * i + 1]
+                    x[r, j + h + i] = tmp[0, 2 * i + 1]
