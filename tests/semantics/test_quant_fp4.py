@@ -247,15 +247,18 @@ def test_paged_decode(cache):
 
 
 @pytest.mark.backend_independent
+@pytest.mark.parametrize("eo", [True, False], ids=["even-odd", "in-order"])
 @pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
-def test_decode_on_the_float32_fma_kernels(paged, monkeypatch):
-    """CPUs without AVX512-BF16 run FP4 K / V through the build with the generic paths: each chunk decoded to bf16
-    rows, then the float32 FMA kernel (decode.kernels.items._qk_loops / _pv_loops), forced here by clearing the dp
-    bits: chunks of several 64-row blocks and a remainder, split KV, the prefetch requests on, dense and paged,
-    against the oracle; fia.explain says so."""
+def test_decode_on_the_float32_fma_kernels(paged, eo, monkeypatch):
+    """CPUs off the bf16 dp kernels (no AVX512-BF16; Intel's) run FP4 K / V through the build with the generic paths:
+    each chunk decoded to bf16 rows, then the float32 FMA kernel (decode.kernels.items._qk_loops / _pv_loops), bf16
+    widened in even / odd halves or in order (DP_EO), forced here by clearing the dp bits: chunks of several 64-row
+    blocks and a remainder, split KV, the prefetch requests on, dense and paged, against the oracle; fia.explain
+    says so."""
     pytest.importorskip("numba")
     from fia.backends.decode import kernels as K, plan as DEC_PLAN
-    monkeypatch.setattr(K, "DP_FLAGS", K.DP_FLAGS & ~(K.DP_QK | K.DP_PV | K.DP_AMX))
+    flags = K.DP_FLAGS & ~(K.DP_QK | K.DP_PV | K.DP_AMX | K.DP_EO)
+    monkeypatch.setattr(K, "DP_FLAGS", flags | (K.DP_EO if eo else 0))
     monkeypatch.setattr(DEC_PLAN, "PREFETCH_MIN_BYTES", -1)
     monkeypatch.setattr(DEC_PLAN, "MIN_SPLIT", 128)     # (items of ~150 keys: sub-blocks 64, 64, 22)
     g = gen(650 + paged)
@@ -279,7 +282,8 @@ def test_decode_on_the_float32_fma_kernels(paged, monkeypatch):
         text = str(fia.explain(q, kin, vin, num_heads=N, num_key_value_heads=KVN, input_layout="BNSD",
                                actual_seq_lengths_kv=act, **{k: v for k, v in kw.items() if k != "layout"},
                                **mode6(e8m0(ke[None]), e8m0(ve[None]))))
-    assert "QK float32 FMA, PV float32 FMA, software prefetch" in text and "decoded to bf16 a chunk at a time" in text
+    fma = "float32 FMA (bf16 in even / odd halves)" if eo else "float32 FMA"
+    assert f"QK {fma}, PV {fma}, software prefetch" in text and "decoded to bf16 a chunk at a time" in text
 
 
 # ---------------------------------------------------------------------------------------------- invalid calls

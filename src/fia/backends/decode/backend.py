@@ -173,7 +173,7 @@ def _kernel_names(K, launch: Launch) -> str:
             return f"{step} float32 FMA" + (" (bf16 in even / odd halves)" if f & eo else
                                             " on float32 rows" if launch.ip[kind] == K.KIND_F32 else "")
         if launch.ip[kind] == K.KIND_FP4:          # (the generic build: each chunk decoded, then the FMA kernel)
-            return f"{step} float32 FMA"
+            return f"{step} float32 FMA" + (" (bf16 in even / odd halves)" if f & eo else "")
         return f"{step} generic float32 loops"
     parts = [one("QK", K.KF_DP_QK, K.KF_I8_QK, K.KF_FMA_QK, K.KF_AMX_QK, K.KF_EO_QK, K.IP_K_KIND),
              one("PV", K.KF_DP_PV, K.KF_I8_PV, K.KF_FMA_PV, K.KF_AMX_PV, K.KF_EO_PV, K.IP_V_KIND)]

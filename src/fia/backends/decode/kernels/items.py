@@ -300,9 +300,9 @@ def _qk_loops(qv, kbu, rbu, koff, roff, n, s, kf, i, c0, ip, h, knext, vbuf, vpf
     elif k_kind == KIND_FP4:     # the chunk as bf16 (knext: group scales, then rows), then qk_fma
         row_offsets(kt_tbl, i, c0, n, ip[IP_KT_BS], ip[IP_KT_BLK], h * ip[IP_KT_H], ip[IP_KT_S], knext)
         fp4_rows(kbu, koff, 0, n, kgs, knext, kf16, D, knext)
-        qk_fma(qv.ctypes.data, qv.shape[1] * 4, kf16.ctypes.data, KIND_BF16, knext.ctypes.data, n,
-               s.ctypes.data, s.shape[1], R, D, vbuf.ctypes.data, vpf.ctypes.data, n if pf else 0, v_row,
-               v_es)
+        qk_fma(qv.ctypes.data, qv.shape[1] * 4, kf16.ctypes.data, KIND_BF16_EO if eo_qk else KIND_BF16,
+               knext.ctypes.data, n, s.ctypes.data, s.shape[1], R, D, vbuf.ctypes.data, vpf.ctypes.data,
+               n if pf else 0, v_row, v_es)
     else:
         k8, k16, k32, kfl = views(kbu)
         load_rows(k8, k16, k32, kfl, koff, n, k_kind, kf, 0, D)
@@ -450,7 +450,7 @@ def _pv_kernels(dp_pv, use_i8, c0, hi, tbl, i, h, knext, ip, vbu, voff, roff, n,
 
 @njit(fastmath=FM, cache=True, inline="always")
 def _pv_loops(s, vbu, voff, n, v_kind, tacc, R, Dv, vf, vt_tbl, i, c0, ip, h, roff, vgs, vf16, kbuf, knext, k_row,
-              k_es):
+              k_es, eo_pv):
     """V chunk -> tacc by the generic build's numba loops (FP4 decoded to bf16, then pv_fma)."""
     if v_kind == KIND_BF16:
         pv_fused(s, views(vbu)[1], v_kind, voff, n, tacc, R, Dv)
@@ -461,8 +461,8 @@ def _pv_loops(s, vbu, voff, n, v_kind, tacc, R, Dv, vf, vt_tbl, i, c0, ip, h, ro
     elif v_kind == KIND_FP4:     # as K (roff: unused without rope, which FP4 never has)
         row_offsets(vt_tbl, i, c0, n, ip[IP_VT_BS], ip[IP_VT_BLK], h * ip[IP_VT_H], ip[IP_VT_S], roff)
         fp4_rows(vbu, voff, 0, n, vgs, roff, vf16, Dv, roff)
-        pv_fma(s.ctypes.data, s.shape[1] * 4, vf16.ctypes.data, KIND_BF16, roff.ctypes.data, n,
-               tacc.ctypes.data, Dv, R, Dv, kbuf.ctypes.data, knext.ctypes.data, 0, k_row, k_es)
+        pv_fma(s.ctypes.data, s.shape[1] * 4, vf16.ctypes.data, KIND_BF16_EO if eo_pv else KIND_BF16,
+               roff.ctypes.data, n, tacc.ctypes.data, Dv, R, Dv, kbuf.ctypes.data, knext.ctypes.data, 0, k_row, k_es)
     else:
         v8, v16, v32, vfl = views(vbu)
         load_rows(v8, v16, v32, vfl, voff, n, v_kind, vf, 0, Dv)
@@ -649,7 +649,7 @@ def _items(items, counter, ip, fp, geo, work, tbl, qbuf, qrbuf, qds, kchan, kbuf
                                 s, dims, flags, lay, vt_tbl, vgs, vf16)
                 else:
                     _pv_loops(s, vbu, voff, n, v_kind, tacc, R, Dv, vf, vt_tbl, i, c0, ip, h, roff, vgs, vf16, kbuf,
-                              knext, k_row, k_es)
+                              knext, k_row, k_es, eo_pv)
                 drain_chunk(cacc, hh, tacc, R, Dv)
                 if flush:
                     drain_block(acc, ll, vx, cacc, cll, cvx, hh, R, Dv)

@@ -207,11 +207,14 @@ def kernel_flags(ip):
             and (v_kind == KIND_BF16 or v_kind == KIND_FP16 or v_kind == KIND_I8 or (f32 and v_kind == KIND_F32))):
         f |= KF_FMA_PV
     # ... bf16 ones widened in even / odd halves (DP_EO) where the head dim holds whole groups: 16 channels on 8
-    # lanes; on 16 lanes 32 for QK, 64 for PV (its passes widen pairs of 32-channel groups)
+    # lanes; on 16 lanes 32 for QK, 64 for PV (its passes widen pairs of 32-channel groups). FP4 off the dp kernels
+    # too: the generic build decodes each chunk to bf16 rows for the same FMA kernels
     eo = (ip[IP_DP] & DP_EO) != 0
-    if eo and (f & KF_FMA_QK) != 0 and k_kind == KIND_BF16 and (NARROW or D % 32 == 0):
+    bf16_k = ((f & KF_FMA_QK) != 0 and k_kind == KIND_BF16) or (k_kind == KIND_FP4 and (f & KF_DP_QK) == 0)
+    bf16_v = ((f & KF_FMA_PV) != 0 and v_kind == KIND_BF16) or (v_kind == KIND_FP4 and (f & KF_DP_PV) == 0)
+    if eo and bf16_k and (NARROW or D % 32 == 0):
         f |= KF_EO_QK
-    if eo and (f & KF_FMA_PV) != 0 and v_kind == KIND_BF16 and (NARROW or Dv % 64 == 0):
+    if eo and bf16_v and (NARROW or Dv % 64 == 0):
         f |= KF_EO_PV
     if (ip[IP_DP] & DP_PREFETCH) != 0:             # prefetch the other stream inside the IR kernels
         f |= KF_PREFETCH
