@@ -108,7 +108,8 @@ def test_oracle_matches_torch_definitions():
 # ---------------------------------------------------------------------------------------------- dense
 def _group_forms():
     from fia.cpu import fp4 as F
-    return [("arith", F.fp4_group_arith)] + ([("permw", F.fp4_group_permw)] if F._PERMW else [])
+    return ([("arith", F.fp4_group_arith)] + ([("permw", F.fp4_group_permw)] if F._PERMW else [])
+            + ([("vbmi", F.fp4_group_vbmi)] if F._VBMI else []))
 
 
 @pytest.mark.backend_independent
@@ -128,7 +129,7 @@ def test_group_decoder_bytes(form):
             fn(dst.ctypes.data + 64 * gi, src.ctypes.data + 16 * gi, s)
 
     g = gen(7301)
-    exps = torch.cat([torch.tensor([0, 1, 2, 126, 127, 128, 253, 254, 255], dtype=torch.uint8),
+    exps = torch.cat([torch.tensor([0, 1, 2, 3, 126, 127, 128, 251, 252, 253, 254, 255], dtype=torch.uint8),
                       torch.randint(0, 256, (55,), generator=g, dtype=torch.uint8)])
     codes = torch.randint(0, 256, (exps.numel(), 16), generator=g, dtype=torch.uint8)
     codes[0] = torch.arange(0, 256, 16, dtype=torch.uint8) + torch.arange(16, dtype=torch.uint8)   # every nibble

@@ -5,9 +5,13 @@ the bf16 kernels on them; decoding nibble by nibble in scalar code cost more tha
 (FP4 slower than bf16 although it reads a quarter of the bytes). Here 16 bytes become 32 bf16 with integer vector
 ops: a code's float32 bits computed from its bits, times the group's E8M0 scale (a power of
 two: the product is exact, 0 / NaN / inf / subnormal scales included), the top 16 bits kept (exact in bf16: at
-most two significant bits). Plain LLVM vector IR: AVX-512 or AVX2 lowers it, nothing CPU-specific.
+most two significant bits). Plain LLVM vector IR: AVX-512 or AVX2 lowers it, nothing CPU-specific; with AVX512-BW a
+16-entry bf16 table and one `vpermw` a group, with AVX512-VBMI also the indices by `vpermb` and the table scaled by
+an exponent add (docs/performance.md, "FP4 (mode 6)").
 """
 from __future__ import annotations
+
+import struct
 
 from llvmlite import ir
 from numba import types
@@ -18,6 +22,10 @@ from .simd import F32, I32, declare, load, ptr, shuffle, splat, store, target_ha
 # AVX512-BW: the 16 scaled values as a bf16 table, one vpermw for the 32 values of a group (10 instructions a group
 # against ~35 for the arithmetic form, which other CPUs run)
 _PERMW = target_has("avx512bw")
+# AVX512-VBMI too (Ice Lake, Zen 4 and later): the nibbles as vpermw indices by one vpermb + one vpsrlvw, and, for the
+# scales whose products stay normal bf16 (E8M0 2..252), the table scaled by an integer add to the exponent field:
+# 3 shuffles a group instead of ~8 (they share one port on Intel)
+_VBMI = _PERMW and target_has("avx512vbmi")
 
 _V16B = ir.VectorType(ir.IntType(8), 16)
 _V16I = ir.VectorType(I32, 16)
@@ -56,6 +64,39 @@ def _group_permw(b: ir.IRBuilder, dst, src, scale):
     store(b, b.call(fn, [tab, b.zext(nib, _V32H)]), ptr(b, dst))
 
 
+_V64B = ir.VectorType(ir.IntType(8), 64)
+_I16 = ir.IntType(16)
+_DUP4 = [j // 4 for j in range(64)]             # words 2k and 2k + 1 both hold byte k (twice)
+_NIBBLE_SHIFT = [0, 4] * 16                     # word 2k: the low nibble, 2k + 1: the high one (index bits 0-3)
+_E2M1_BF16 = [(int.from_bytes(struct.pack("<f", v), "little") >> 16) for v in _E2M1] * 2
+_NONZERO = [0 if v == 0 else 0xFFFF for v in _E2M1] * 2
+
+
+def _group_vbmi(b: ir.IRBuilder, dst, src, scale):
+    x = load(b, ptr(b, src), _V16B)
+    x = shuffle(b, x, ir.Constant(_V16B, None), list(range(16)) + [16] * 48)
+    fn = declare(b, "llvm.x86.avx512.permvar.qi.512", ir.FunctionType(_V64B, [_V64B, _V64B]))
+    w = b.bitcast(b.call(fn, [x, ir.Constant(_V64B, _DUP4)]), _V32H)
+    idx = b.lshr(w, ir.Constant(_V32H, _NIBBLE_SHIFT))     # vpermw reads bits 0-4: the table is 16 entries twice
+    bits = b.bitcast(scale, I32)
+    e = b.lshr(bits, ir.Constant(I32, 23))
+    # 2^(e - 127) with e in 2..252: every product 0.5 .. 6 times it is a normal float, so bf16(v) + (e - 127) << 7
+    normal = b.and_(b.icmp_unsigned("==", b.and_(bits, ir.Constant(I32, 0x807FFFFF)), ir.Constant(I32, 0)),
+                    b.icmp_unsigned("<=", b.sub(e, ir.Constant(I32, 2)), ir.Constant(I32, 250)))
+    fn_w = declare(b, "llvm.x86.avx512.permvar.hi.512", ir.FunctionType(_V32H, [_V32H, _V32H]))
+    with b.if_else(normal) as (fast, slow):
+        with fast:
+            k = b.trunc(b.shl(b.sub(e, ir.Constant(I32, 127)), ir.Constant(I32, 7)), _I16)
+            step = b.and_(splat(b, k, 32), ir.Constant(_V32H, _NONZERO))
+            tab = b.add(ir.Constant(_V32H, _E2M1_BF16), step)
+            store(b, b.call(fn_w, [tab, idx]), ptr(b, dst))
+        with slow:                                       # 0, tiny, huge or NaN scales: exact float products
+            tab = b.fmul(ir.Constant(_V16F, _E2M1), splat(b, scale, 16))
+            tab = b.trunc(b.lshr(b.bitcast(tab, _V16I), _const(16)), ir.VectorType(_I16, 16))
+            tab = shuffle(b, tab, ir.Constant(tab.type, None), list(range(16)) * 2)
+            store(b, b.call(fn_w, [tab, idx]), ptr(b, dst))
+
+
 def _group_arith(b: ir.IRBuilder, dst, src, scale):
     x = b.zext(load(b, ptr(b, src), _V16B), _V16I)
     f = splat(b, scale, 16)
@@ -78,6 +119,7 @@ def _group_intrinsic(emit):
     return intrinsic(group)
 
 
+fp4_group_vbmi = _group_intrinsic(_group_vbmi)        # AVX512-BW + VBMI only
 fp4_group_permw = _group_intrinsic(_group_permw)      # AVX512-BW only
 fp4_group_arith = _group_intrinsic(_group_arith)      # any CPU
-fp4_group_bf16 = fp4_group_permw if _PERMW else fp4_group_arith
+fp4_group_bf16 = fp4_group_vbmi if _VBMI else fp4_group_permw if _PERMW else fp4_group_arith
