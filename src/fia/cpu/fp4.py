@@ -53,15 +53,24 @@ def _e2m1(b: ir.IRBuilder, c):
     return b.bitcast(b.or_(sign, mag), _V16F)
 
 
+def _scaled_table(b: ir.IRBuilder, scale):
+    """The 16 codes' values times `scale` as bf16 bits, twice (<32 x i16>: vpermw reads index bits 0-4)."""
+    tab = b.fmul(ir.Constant(_V16F, _E2M1), splat(b, scale, 16))                    # exact: a power of two
+    tab = b.trunc(b.lshr(b.bitcast(tab, _V16I), _const(16)), ir.VectorType(ir.IntType(16), 16))
+    return shuffle(b, tab, ir.Constant(tab.type, None), list(range(16)) * 2)
+
+
+def _permw(b: ir.IRBuilder, tab, idx):
+    """tab[idx[i] & 31] for the 32 words of idx (`vpermw`)."""
+    fn = declare(b, "llvm.x86.avx512.permvar.hi.512", ir.FunctionType(_V32H, [_V32H, _V32H]))
+    return b.call(fn, [tab, idx])
+
+
 def _group_permw(b: ir.IRBuilder, dst, src, scale):
     x = load(b, ptr(b, src), _V16B)
     nib = shuffle(b, b.and_(x, ir.Constant(_V16B, [15] * 16)), b.lshr(x, ir.Constant(_V16B, [4] * 16)),
                   _INTERLEAVE)                                                      # <32 x i8> codes in order
-    tab = b.fmul(ir.Constant(_V16F, _E2M1), splat(b, scale, 16))                    # exact: a power of two
-    tab = b.trunc(b.lshr(b.bitcast(tab, _V16I), _const(16)), ir.VectorType(ir.IntType(16), 16))
-    tab = shuffle(b, tab, ir.Constant(tab.type, None), list(range(16)) * 2)
-    fn = declare(b, "llvm.x86.avx512.permvar.hi.512", ir.FunctionType(_V32H, [_V32H, _V32H]))
-    store(b, b.call(fn, [tab, b.zext(nib, _V32H)]), ptr(b, dst))
+    store(b, _permw(b, _scaled_table(b, scale), b.zext(nib, _V32H)), ptr(b, dst))
 
 
 _V64B = ir.VectorType(ir.IntType(8), 64)
@@ -83,18 +92,13 @@ def _group_vbmi(b: ir.IRBuilder, dst, src, scale):
     # 2^(e - 127) with e in 2..252: every product 0.5 .. 6 times it is a normal float, so bf16(v) + (e - 127) << 7
     normal = b.and_(b.icmp_unsigned("==", b.and_(bits, ir.Constant(I32, 0x807FFFFF)), ir.Constant(I32, 0)),
                     b.icmp_unsigned("<=", b.sub(e, ir.Constant(I32, 2)), ir.Constant(I32, 250)))
-    fn_w = declare(b, "llvm.x86.avx512.permvar.hi.512", ir.FunctionType(_V32H, [_V32H, _V32H]))
     with b.if_else(normal) as (fast, slow):
         with fast:
             k = b.trunc(b.shl(b.sub(e, ir.Constant(I32, 127)), ir.Constant(I32, 7)), _I16)
             step = b.and_(splat(b, k, 32), ir.Constant(_V32H, _NONZERO))
-            tab = b.add(ir.Constant(_V32H, _E2M1_BF16), step)
-            store(b, b.call(fn_w, [tab, idx]), ptr(b, dst))
+            store(b, _permw(b, b.add(ir.Constant(_V32H, _E2M1_BF16), step), idx), ptr(b, dst))
         with slow:                                       # 0, tiny, huge or NaN scales: exact float products
-            tab = b.fmul(ir.Constant(_V16F, _E2M1), splat(b, scale, 16))
-            tab = b.trunc(b.lshr(b.bitcast(tab, _V16I), _const(16)), ir.VectorType(_I16, 16))
-            tab = shuffle(b, tab, ir.Constant(tab.type, None), list(range(16)) * 2)
-            store(b, b.call(fn_w, [tab, idx]), ptr(b, dst))
+            store(b, _permw(b, _scaled_table(b, scale), idx), ptr(b, dst))
 
 
 def _group_arith(b: ir.IRBuilder, dst, src, scale):

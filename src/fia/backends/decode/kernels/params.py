@@ -66,7 +66,8 @@ PREFETCH_POLICIES = {"off": 0, "t1": DP_PREFETCH, "t1+ahead": DP_PREFETCH | DP_A
                      "nta": DP_PREFETCH | DP_NTA, "nta+ahead": DP_PREFETCH | DP_NTA | DP_AHEAD,
                      "t1-v": DP_PREFETCH | DP_NO_PV_K, "nta-v": DP_PREFETCH | DP_NTA | DP_NO_PV_K}
 DP_PREFETCH_BITS = DP_PREFETCH | DP_NTA | DP_AHEAD | DP_NO_PV_K     # every bit a policy sets
-PREFETCH_DEFAULT = ("t1" if not target_has("sse4a") else "nta+ahead" if target_has("avx512f", "avxvnni") else
+AMD = target_has("sse4a")          # (AMD only; cpu.classes names the vendor the same way)
+PREFETCH_DEFAULT = ("t1" if not AMD else "nta+ahead" if target_has("avx512f", "avxvnni") else
                     "t1" if target_has("avx512f") else "nta-v")
 PREFETCH_POLICY = os.environ.get("FIA_DECODE_PREFETCH", "") or PREFETCH_DEFAULT
 if PREFETCH_POLICY not in PREFETCH_POLICIES:     # a typo must not break `import fia`: say so, keep the default
@@ -95,7 +96,7 @@ TOUCH_DEFAULT = PREFETCH_DEFAULT != "t1"
 # Intel's two 512-bit FMA ports run bf16 widened in even / odd halves (DP_EO) faster than its `vdpbf16ps`: Emerald
 # Rapids, in cache 1.1-1.15x, from DRAM FP4 1.1x, token-major 1.03-1.1x, dense level (docs/performance.md, "CPU
 # classes"). FIA_DECODE_DP=1 forces them (where the CPU has the instruction, or emulated), =0 leaves them out.
-DP_DEFAULT = HAS_DP and (os.environ.get("FIA_DECODE_DP") == "1" or target_has("sse4a") or target_has("amx-tile"))
+DP_DEFAULT = HAS_DP and (os.environ.get("FIA_DECODE_DP") == "1" or AMD or target_has("amx-tile"))
 # FIA_DECODE_TOUCH=0 / 1 turns DP_TOUCH off / on, FIA_DECODE_F32=0 DP_F32 off, FIA_DECODE_EO=0 DP_EO off
 # (A / B measurements)
 DP_FLAGS = ((DP_QK | DP_PV if DP_DEFAULT else 0) | (DP_I8 if HAS_VNNI else 0) | (DP_AMX if HAS_AMX else 0)
